@@ -1,0 +1,41 @@
+"""orbax-lossy: lossy, delta-coded Orbax checkpoints for JAX/Flax training."""
+
+from orbax_lossy.chain import ChainPreservationPolicy
+from orbax_lossy.codecs.exact import Exact
+from orbax_lossy.codecs.lc import LC
+from orbax_lossy.errors import (
+    ChainError,
+    ChecksumError,
+    CodecError,
+    FormatError,
+    InvalidArgumentError,
+    LossyError,
+    MissingStepError,
+    TruncatedError,
+    UnsupportedVersionError,
+)
+from orbax_lossy.handler import LossyCheckpointHandler, LossyRestore, LossySave
+from orbax_lossy.manager import checkpoint_manager
+from orbax_lossy.policy import LeafPolicy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ChainError",
+    "ChainPreservationPolicy",
+    "ChecksumError",
+    "CodecError",
+    "Exact",
+    "FormatError",
+    "InvalidArgumentError",
+    "LC",
+    "LeafPolicy",
+    "LossyCheckpointHandler",
+    "LossyError",
+    "LossyRestore",
+    "LossySave",
+    "MissingStepError",
+    "TruncatedError",
+    "UnsupportedVersionError",
+    "checkpoint_manager",
+]

@@ -1,0 +1,201 @@
+"""Byte-plane lossless array coder (in the spirit of ZipNN and DFloat11).
+
+Floating-point words are rotated left by one bit, so the sign moves to the lowest bit and the
+exponent becomes the top bits (for float32 and bfloat16 the top byte is exactly the 8-bit
+exponent, whose distribution is very skewed in trained weights). The little-endian words are
+split into byte planes (plane j = byte j of every element) and each plane is entropy coded
+independently with :func:`orbax_lossy.entropy.encode_symbols`, which falls back to raw bytes
+for incompressible planes (low mantissa bytes). Integers and bools are split into byte planes
+without rotation; complex numbers are coded as pairs of floats.
+
+Layout::
+
+    version:u8 (=1)  dtype_code:u8  count:uvarint  { plane_len:uvarint  plane_stream }*planes
+
+``count`` is the number of array elements; ``planes`` is the item size of the (component)
+dtype, each plane holding ``count`` symbols (``2 * count`` for complex). The decoder checks
+version, dtype code and count against the requested shape and dtype, every plane length
+against the remaining bytes, and that no byte follows the last plane.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+from orbax_lossy.entropy import decode_symbols, encode_symbols
+from orbax_lossy.errors import CodecError, FormatError, TruncatedError
+
+VERSION = 1
+
+#: stable on-disk dtype codes (by numpy dtype name); never renumber
+_DTYPE_CODES: dict[str, int] = {
+    "bool": 1,
+    "int8": 2,
+    "int16": 3,
+    "int32": 4,
+    "int64": 5,
+    "uint8": 6,
+    "uint16": 7,
+    "uint32": 8,
+    "uint64": 9,
+    "float16": 10,
+    "bfloat16": 11,
+    "float32": 12,
+    "float64": 13,
+    "complex64": 14,
+    "complex128": 15,
+    "float8_e4m3fn": 16,
+    "float8_e5m2": 17,
+    "float8_e4m3fnuz": 18,
+    "float8_e5m2fnuz": 19,
+    "float8_e4m3b11fnuz": 20,
+    "float8_e3m4": 21,
+    "float8_e4m3": 22,
+    "float8_e8m0fnu": 23,
+    "float4_e2m1fn": 24,
+    "int4": 25,
+    "uint4": 26,
+    "int2": 27,
+    "uint2": 28,
+}
+
+
+def _dtype_code(dtype: np.dtype) -> int:
+    code = _DTYPE_CODES.get(dtype.name)
+    if code is None or dtype.itemsize not in (1, 2, 4, 8, 16):
+        raise CodecError(f"lossless coder does not support dtype {dtype}")
+    return code
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return dtype.kind in "fc" or dtype.name.startswith(("float", "bfloat"))
+
+
+def _word_dtype(itemsize: int) -> np.dtype:
+    return np.dtype(f"<u{itemsize}")
+
+
+def _component_itemsize(dtype: np.dtype) -> int:
+    return dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
+
+
+def _uvarint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = value & 0x7F
+        value >>= 7
+        if not value:
+            out.append(b)
+            return bytes(out)
+        out.append(b | 0x80)
+
+
+def _read_uvarint(buf: memoryview, pos: int, what: str) -> tuple[int, int]:
+    value = 0
+    for i in range(9):
+        if pos + i >= len(buf):
+            raise TruncatedError(f"lossless stream ends inside {what}")
+        b = buf[pos + i]
+        value |= (b & 0x7F) << (7 * i)
+        if not b & 0x80:
+            return value, pos + i + 1
+    raise FormatError(f"varint for {what} is longer than 9 bytes")
+
+
+def to_planes(array: np.ndarray) -> np.ndarray:
+    """Split an array into byte planes: a ``(planes, symbols)`` uint8 array (see module doc)."""
+    arr = np.asarray(array)
+    dtype = arr.dtype
+    if not dtype.isnative:
+        arr = arr.astype(dtype.newbyteorder("="))
+    width = _component_itemsize(dtype)
+    words = np.ascontiguousarray(arr).reshape(-1).view(np.dtype(f"u{width}"))
+    if _is_float(dtype):
+        bits = 8 * width
+        words = (words << np.uint8(1)) | (words >> np.uint8(bits - 1))
+    return words.astype(_word_dtype(width), copy=False).view(np.uint8).reshape(-1, width).T
+
+
+def from_planes(
+    planes: np.ndarray, shape: tuple[int, ...], dtype: np.dtype
+) -> np.ndarray:
+    """Inverse of :func:`to_planes`: rebuild an array of ``shape``/``dtype`` (native order)."""
+    width = _component_itemsize(dtype)
+    native = dtype.newbyteorder("=")
+    words = np.ascontiguousarray(planes.T).view(_word_dtype(width)).reshape(-1)
+    words = words.astype(np.dtype(f"u{width}"), copy=False)
+    if _is_float(dtype):
+        bits = 8 * width
+        words = (words >> np.uint8(1)) | (words << np.uint8(bits - 1))
+    return words.view(native).reshape(shape)
+
+
+def encode_array(array: np.ndarray) -> bytes:
+    """Losslessly code ``array`` (any supported dtype, any shape, C order); see module doc."""
+    arr = np.asarray(array)
+    code = _dtype_code(arr.dtype)
+    parts = [bytes([VERSION, code]), _uvarint(arr.size)]
+    for plane in to_planes(arr):
+        stream = encode_symbols(np.ascontiguousarray(plane))
+        parts.append(_uvarint(len(stream)))
+        parts.append(stream)
+    return b"".join(parts)
+
+
+def _check_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in shape)
+    except TypeError as exc:
+        raise CodecError(f"shape must be a tuple of ints, got {shape!r}") from exc
+    if any(d < 0 for d in dims):
+        raise CodecError(f"shape has a negative dimension: {dims}")
+    return dims
+
+
+def decode_array(
+    data: bytes | memoryview, shape: tuple[int, ...], dtype: DTypeLike
+) -> np.ndarray:
+    """Decode :func:`encode_array` output into a new array of ``shape`` and ``dtype``.
+
+    Bit-for-bit identical to the encoded array (NaN payloads and -0.0 included). Raises
+    FormatError/TruncatedError when the stream is malformed or does not match shape/dtype.
+    """
+    dims = _check_shape(shape)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise CodecError(f"not a numpy dtype: {dtype!r}") from exc
+    code = _dtype_code(dt)
+    buf = memoryview(data).cast("B")
+    if len(buf) < 2:
+        raise TruncatedError("lossless stream is shorter than its 2-byte header")
+    if buf[0] != VERSION:
+        raise FormatError(f"lossless stream version {buf[0]} is not {VERSION}")
+    if buf[1] != code:
+        raise FormatError(f"lossless stream holds dtype code {buf[1]}, expected {code} ({dt})")
+    count, pos = _read_uvarint(buf, 2, "the element count")
+    size = math.prod(dims)
+    if count != size:
+        raise FormatError(f"lossless stream holds {count} elements, shape {dims} has {size}")
+    width = _component_itemsize(dt)
+    symbols = size * (dt.itemsize // width)
+    planes = np.empty((width, symbols), np.uint8)
+    for j in range(width):
+        length, pos = _read_uvarint(buf, pos, f"the length of byte plane {j}")
+        if pos + length > len(buf):
+            raise TruncatedError(
+                f"byte plane {j} needs {length} bytes, {len(buf) - pos} are left"
+            )
+        planes[j] = decode_symbols(buf[pos : pos + length], symbols)
+        pos += length
+    if pos != len(buf):
+        raise FormatError(f"{len(buf) - pos} trailing bytes after the last byte plane")
+    out = from_planes(planes, dims, dt)
+    if dt.kind == "b" and np.any(planes[0] > 1):
+        raise FormatError("bool array holds bytes other than 0 and 1")
+    if not dt.isnative:
+        out = out.astype(dt)
+    return out

@@ -1,0 +1,494 @@
+"""Numba kernels of the entropy coder.
+
+Every kernel is ``@njit(nogil=True, cache=True)`` and single threaded: parallelism comes from
+the Python wrapper running independent blocks on a thread pool, which works because the
+kernels release the GIL. ``parallel=True`` is deliberately not used (numba's workqueue
+threading layer aborts when two Python threads enter parallel regions concurrently).
+
+Bit order: codes are written MSB-first; a block starts on a byte boundary and its last byte is
+padded with zero bits. Decoders never read outside ``data[start:end]`` of the block: bytes
+past the end read as zero, and over-consumption is reported as an error status afterwards.
+
+Decoders report problems through an integer status instead of raising, so that the Python
+wrapper can raise the library's own exception types.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+STATUS_OK = 0
+STATUS_BAD_CODE = 1  # a bit pattern that is not a code of the table
+STATUS_OVERRUN = 2  # the block's symbols need more bits than the block holds
+STATUS_RUN_TOO_LONG = 3  # a zero run crosses the end of its block
+STATUS_TRAILING = 4  # the block holds whole bytes that its symbols do not use
+
+#: number of run codes of the zero-run mode (runs 0..15 literal, then 4 buckets per octave)
+RUN_ALPHABET = 68
+#: the largest zero-run block the encoder uses; run lengths go up to this value
+MAX_RUN_BLOCK = 1 << 16
+
+
+def _run_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Run-length code tables: code -> (base, extra bits), and run length -> code."""
+    base = np.zeros(RUN_ALPHABET, np.int64)
+    extra = np.zeros(RUN_ALPHABET, np.int64)
+    base[:16] = np.arange(16)
+    for code in range(16, RUN_ALPHABET):
+        e, sub = 4 + (code - 16) // 4, (code - 16) % 4
+        base[code] = (4 + sub) << (e - 2)
+        extra[code] = e - 2
+    r = np.arange(MAX_RUN_BLOCK + 1, dtype=np.int64)
+    code_of = np.minimum(r, 15).astype(np.uint8)
+    big = r >= 16
+    e = np.floor(np.log2(np.maximum(r, 1))).astype(np.int64)
+    sub = (r >> np.maximum(e - 2, 0)) & 3
+    code_of[big] = (16 + (e[big] - 4) * 4 + sub[big]).astype(np.uint8)
+    return base, extra, code_of
+
+
+RUN_BASE, RUN_EXTRA, RUN_CODE_OF = _run_tables()
+
+
+# ----------------------------------------------------------------------------- Huffman lengths
+
+
+@njit(nogil=True, cache=True)
+def huffman_code_lengths(counts: np.ndarray, max_len: int) -> np.ndarray:
+    """Length-limited Huffman code lengths (uint8) for ``counts`` (int64, any size).
+
+    Unused symbols get length 0; a single used symbol gets length 1. Lengths above
+    ``max_len`` are fixed with the Kraft-repair heuristic of miniz/zlib, then re-assigned so
+    that more frequent symbols never get longer codes.
+    """
+    a = counts.size
+    lens = np.zeros(a, np.uint8)
+    idx = np.nonzero(counts > 0)[0]
+    nz = idx.size
+    if nz == 0:
+        return lens
+    if nz == 1:
+        lens[idx[0]] = 1
+        return lens
+    order = idx[np.argsort(counts[idx], kind="mergesort")]  # ascending weight, stable
+    nn = 2 * nz - 1
+    weight = np.empty(nn, np.int64)
+    parent = np.zeros(nn, np.int64)
+    for i in range(nz):
+        weight[i] = counts[order[i]]
+    leaf = 0
+    head = nz
+    tail = nz
+    for _ in range(nz - 1):
+        pair = np.empty(2, np.int64)
+        for j in range(2):
+            if leaf < nz and (head == tail or weight[leaf] <= weight[head]):
+                pair[j] = leaf
+                leaf += 1
+            else:
+                pair[j] = head
+                head += 1
+        weight[tail] = weight[pair[0]] + weight[pair[1]]
+        parent[pair[0]] = tail
+        parent[pair[1]] = tail
+        tail += 1
+    depth = np.zeros(nn, np.int64)
+    for node in range(nn - 2, -1, -1):
+        depth[node] = depth[parent[node]] + 1
+    num = np.zeros(max(max_len, 64) + 1, np.int64)
+    for i in range(nz):
+        d = depth[i]
+        num[min(d, max_len)] += 1
+    total = 0
+    for length in range(1, max_len + 1):
+        total += num[length] << (max_len - length)
+    while total > (1 << max_len):
+        num[max_len] -= 1
+        for length in range(max_len - 1, 0, -1):
+            if num[length] > 0:
+                num[length] -= 1
+                num[length + 1] += 2
+                break
+        total -= 1
+    # most frequent symbols (end of ``order``) get the shortest codes
+    pos = nz - 1
+    for length in range(1, max_len + 1):
+        for _ in range(num[length]):
+            lens[order[pos]] = length
+            pos -= 1
+    return lens
+
+
+# ----------------------------------------------------------------------- code length tables
+
+
+@njit(nogil=True, cache=True)
+def serialize_lengths(lens: np.ndarray) -> np.ndarray:
+    """Nibble-pack code lengths (0..15), run-length coding the zeros.
+
+    Nibble ``1..15``: one length. ``0, c`` with ``c < 15``: ``c + 1`` zero lengths.
+    ``0, 15, hi, lo``: ``16 + (hi << 4 | lo)`` zero lengths. High nibble first; a final odd
+    nibble is padded with 0 (the reader stops after ``len(lens)`` entries).
+    """
+    a = lens.size
+    nib = np.empty(2 * a + 8, np.uint8)
+    k = 0
+    i = 0
+    while i < a:
+        if lens[i] != 0:
+            nib[k] = lens[i]
+            k += 1
+            i += 1
+            continue
+        z = 0
+        while i + z < a and lens[i + z] == 0 and z < 271:
+            z += 1
+        i += z
+        nib[k] = 0
+        if z <= 15:
+            nib[k + 1] = z - 1
+            k += 2
+        else:
+            v = z - 16
+            nib[k + 1] = 15
+            nib[k + 2] = v >> 4
+            nib[k + 3] = v & 15
+            k += 4
+    if k & 1:
+        nib[k] = 0
+        k += 1
+    out = np.empty(k // 2, np.uint8)
+    for j in range(k // 2):
+        out[j] = (nib[2 * j] << 4) | nib[2 * j + 1]
+    return out
+
+
+@njit(nogil=True, cache=True)
+def deserialize_lengths(data: np.ndarray, pos: int, a: int, lens: np.ndarray) -> int:
+    """Inverse of :func:`serialize_lengths`, reading from ``data[pos:]`` into ``lens[:a]``.
+
+    Returns the position after the table, ``-1`` if ``data`` ends first, ``-2`` if a zero run
+    overshoots the alphabet.
+    """
+    nbytes = data.size
+    k = 2 * pos  # nibble index
+    end = 2 * nbytes
+    i = 0
+    while i < a:
+        if k >= end:
+            return -1
+        v = (data[k >> 1] >> (4 * (1 - (k & 1)))) & 15
+        k += 1
+        if v != 0:
+            lens[i] = v
+            i += 1
+            continue
+        if k >= end:
+            return -1
+        c = (data[k >> 1] >> (4 * (1 - (k & 1)))) & 15
+        k += 1
+        if c < 15:
+            z = c + 1
+        else:
+            if k + 2 > end:
+                return -1
+            hi = (data[k >> 1] >> (4 * (1 - (k & 1)))) & 15
+            k += 1
+            lo = (data[k >> 1] >> (4 * (1 - (k & 1)))) & 15
+            k += 1
+            z = 16 + ((hi << 4) | lo)
+        if i + z > a:
+            return -2
+        for j in range(z):
+            lens[i + j] = 0
+        i += z
+    return (k + 1) // 2
+
+
+# ------------------------------------------------------------------------------- tuple mode
+
+
+@njit(nogil=True, cache=True)
+def tuple_histogram(symbols: np.ndarray, digit: np.ndarray, m: int, k: int, alpha: int):
+    """Histogram of the k-tuples (base-``m`` numbers of the symbols' digits), tail 0-padded."""
+    n = symbols.size
+    hist = np.zeros(alpha, np.int64)
+    full = n // k
+    for t in range(full):
+        v = 0
+        b = t * k
+        for j in range(k):
+            v = v * m + digit[symbols[b + j]]
+        hist[v] += 1
+    if full * k < n:
+        v = 0
+        for j in range(k):
+            i = full * k + j
+            v = v * m + (digit[symbols[i]] if i < n else 0)
+        hist[v] += 1
+    return hist
+
+
+@njit(nogil=True, cache=True)
+def tuple_encode(
+    symbols: np.ndarray,
+    digit: np.ndarray,
+    m: int,
+    k: int,
+    codes: np.ndarray,
+    lens: np.ndarray,
+    units_per_block: int,
+    out: np.ndarray,
+    block_ends: np.ndarray,
+) -> int:
+    """Huffman-code the k-tuples, block by block; returns the number of bytes written."""
+    n = symbols.size
+    units = (n + k - 1) // k
+    pos = 0
+    nb = block_ends.size
+    for b in range(nb):
+        u0 = b * units_per_block
+        u1 = min(u0 + units_per_block, units)
+        acc = np.uint64(0)
+        nacc = 0
+        for t in range(u0, u1):
+            v = 0
+            base = t * k
+            for j in range(k):
+                i = base + j
+                v = v * m + (digit[symbols[i]] if i < n else 0)
+            ln = lens[v]
+            acc = (acc << np.uint64(ln)) | np.uint64(codes[v])
+            nacc += ln
+            while nacc >= 8:
+                nacc -= 8
+                out[pos] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(0xFF))
+                pos += 1
+        if nacc > 0:
+            out[pos] = np.uint8((acc << np.uint64(8 - nacc)) & np.uint64(0xFF))
+            pos += 1
+        block_ends[b] = pos
+    return pos
+
+
+@njit(nogil=True, cache=True)
+def tuple_decode(
+    data: np.ndarray,
+    offsets: np.ndarray,
+    lut: np.ndarray,
+    lut_bits: int,
+    expand: np.ndarray,
+    units_per_block: int,
+    total_units: int,
+    out: np.ndarray,
+    b0: int,
+    b1: int,
+) -> int:
+    """Decode blocks ``b0..b1-1`` of a tuple stream into ``out`` (``total_units * k`` bytes).
+
+    ``lut[peek(lut_bits)] = symbol << 4 | length`` (length 0: not a code). ``expand[s]`` are
+    the ``k`` output bytes of super-symbol ``s``. Returns a ``STATUS_*`` value.
+    """
+    k = expand.shape[1]
+    shift = np.uint64(64 - lut_bits)
+    for b in range(b0, b1):
+        pos = offsets[b]
+        end = offsets[b + 1]
+        u0 = b * units_per_block
+        cnt = min(units_per_block, total_units - u0)
+        o = u0 * k
+        buf = np.uint64(0)
+        nbits = 0
+        used = 0
+        for _ in range(cnt):
+            while nbits <= 56:
+                byte = data[pos] if pos < end else 0
+                buf |= np.uint64(byte) << np.uint64(56 - nbits)
+                pos += 1
+                nbits += 8
+            e = lut[buf >> shift]
+            ln = e & 15
+            if ln == 0:
+                return STATUS_BAD_CODE
+            buf <<= np.uint64(ln)
+            nbits -= ln
+            used += ln
+            s = e >> 4
+            for j in range(k):
+                out[o + j] = expand[s, j]
+            o += k
+        size = end - offsets[b]
+        if used > 8 * size:
+            return STATUS_OVERRUN
+        if (used + 7) // 8 != size:
+            return STATUS_TRAILING
+    return STATUS_OK
+
+
+# ---------------------------------------------------------------------------- zero-run mode
+
+
+@njit(nogil=True, cache=True)
+def zrun_histograms(symbols: np.ndarray, zsym: int, block: int, run_code_of: np.ndarray):
+    """Histograms of run codes and literals of the zero-run events, plus total extra bits."""
+    n = symbols.size
+    rh = np.zeros(RUN_ALPHABET, np.int64)
+    lh = np.zeros(256, np.int64)
+    for b0 in range(0, n, block):
+        b1 = min(b0 + block, n)
+        r = 0
+        for i in range(b0, b1):
+            s = symbols[i]
+            if s == zsym:
+                r += 1
+            else:
+                rh[run_code_of[r]] += 1
+                lh[s] += 1
+                r = 0
+        if r > 0:
+            rh[run_code_of[r]] += 1
+    return rh, lh
+
+
+@njit(nogil=True, cache=True)
+def zrun_encode(
+    symbols: np.ndarray,
+    zsym: int,
+    block: int,
+    run_code_of: np.ndarray,
+    run_extra: np.ndarray,
+    rcodes: np.ndarray,
+    rlens: np.ndarray,
+    lcodes: np.ndarray,
+    llens: np.ndarray,
+    out: np.ndarray,
+    block_ends: np.ndarray,
+) -> int:
+    """Code each block as events (run code [+ extra bits], literal); returns bytes written."""
+    n = symbols.size
+    pos = 0
+    for b in range(block_ends.size):
+        b0 = b * block
+        b1 = min(b0 + block, n)
+        acc = np.uint64(0)
+        nacc = 0
+        r = 0
+        i = b0
+        s = symbols[0] if n > 0 else np.uint8(0)
+        while True:
+            last = i >= b1
+            if not last:
+                s = symbols[i]
+                i += 1
+                if s == zsym:
+                    r += 1
+                    continue
+            elif r == 0:
+                break
+            c = run_code_of[r]
+            ln = rlens[c]
+            acc = (acc << np.uint64(ln)) | np.uint64(rcodes[c])
+            nacc += ln
+            x = run_extra[c]
+            if x > 0:
+                acc = (acc << np.uint64(x)) | np.uint64(r & ((1 << x) - 1))
+                nacc += x
+            while nacc >= 8:
+                nacc -= 8
+                out[pos] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(0xFF))
+                pos += 1
+            if last:
+                break
+            ln = llens[s]
+            acc = (acc << np.uint64(ln)) | np.uint64(lcodes[s])
+            nacc += ln
+            while nacc >= 8:
+                nacc -= 8
+                out[pos] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(0xFF))
+                pos += 1
+            r = 0
+        if nacc > 0:
+            out[pos] = np.uint8((acc << np.uint64(8 - nacc)) & np.uint64(0xFF))
+            pos += 1
+        block_ends[b] = pos
+    return pos
+
+
+@njit(nogil=True, cache=True)
+def zrun_decode(
+    data: np.ndarray,
+    offsets: np.ndarray,
+    rlut: np.ndarray,
+    rbits: int,
+    run_base: np.ndarray,
+    run_extra: np.ndarray,
+    llut: np.ndarray,
+    lbits: int,
+    zsym: int,
+    block: int,
+    n: int,
+    out: np.ndarray,
+    b0: int,
+    b1: int,
+) -> int:
+    """Decode blocks ``b0..b1-1`` of a zero-run stream into ``out``; returns a ``STATUS_*``."""
+    rshift = np.uint64(64 - rbits)
+    lshift = np.uint64(64 - lbits)
+    z = np.uint8(zsym)
+    for b in range(b0, b1):
+        pos = offsets[b]
+        end = offsets[b + 1]
+        o = b * block
+        oend = min(o + block, n)
+        buf = np.uint64(0)
+        nbits = 0
+        used = 0
+        while o < oend:
+            while nbits <= 56:
+                byte = data[pos] if pos < end else 0
+                buf |= np.uint64(byte) << np.uint64(56 - nbits)
+                pos += 1
+                nbits += 8
+            e = rlut[buf >> rshift]
+            ln = e & 15
+            if ln == 0:
+                return STATUS_BAD_CODE
+            buf <<= np.uint64(ln)
+            nbits -= ln
+            used += ln
+            c = e >> 4
+            r = run_base[c]
+            x = run_extra[c]
+            if x > 0:
+                r += np.int64(buf >> np.uint64(64 - x))
+                buf <<= np.uint64(x)
+                nbits -= x
+                used += x
+            if r > oend - o:
+                return STATUS_RUN_TOO_LONG
+            for j in range(o, o + r):
+                out[j] = z
+            o += r
+            if o == oend:
+                break
+            while nbits <= 56:
+                byte = data[pos] if pos < end else 0
+                buf |= np.uint64(byte) << np.uint64(56 - nbits)
+                pos += 1
+                nbits += 8
+            e = llut[buf >> lshift]
+            ln = e & 15
+            if ln == 0:
+                return STATUS_BAD_CODE
+            buf <<= np.uint64(ln)
+            nbits -= ln
+            used += ln
+            out[o] = np.uint8(e >> 4)
+            o += 1
+        size = end - offsets[b]
+        if used > 8 * size:
+            return STATUS_OVERRUN
+        if (used + 7) // 8 != size:
+            return STATUS_TRAILING
+    return STATUS_OK

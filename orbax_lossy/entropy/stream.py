@@ -1,0 +1,406 @@
+"""Self-describing entropy-coded byte-symbol stream.
+
+``encode_symbols`` codes a 1-D uint8 array with canonical, length-limited (15-bit) Huffman
+codes in one of several modes, chosen per stream by the exact coded size computed from
+histograms; ``decode_symbols`` inverts it bit-exactly. The stream carries no checksum (the
+container checksums payloads) but every count, length, table and offset is validated.
+
+Stream layout (``uvarint`` = unsigned LEB128, at most 9 bytes; ``u32le`` = little-endian)::
+
+    stream  := mode:u8  n:uvarint  body          n = number of symbols, must equal decode's n
+    mode 0 RAW    body := n bytes                (also used for n == 0)
+    mode 1 CONST  body := symbol:u8              (n >= 1 copies of one symbol)
+    mode 2 TUPLE  body := (m-1):u8 symset k:u8 table(m^k) blocks
+    mode 3 ZRUN   body := zsym:u8 table(68) table(256) blocks
+
+    symset  := m strictly increasing bytes          if m <= 32
+             | 32-byte bitmap (bit s&7 of byte s>>3) with exactly m bits set, otherwise
+    table(A):= A Huffman code lengths, nibble packed (see orbax_lossy.entropy.huffman)
+    blocks  := units:uvarint  size:u32le[nb]  payload[sum(size)]   (nothing may follow)
+
+TUPLE: the m used symbols (``symset``, ascending) are numbered 0..m-1 ("digits"); the input,
+padded with digit 0 to a multiple of k, is cut into k-tuples, each a super-symbol
+``d_0*m^(k-1) + ... + d_(k-1)`` (so m^k <= 4096 for k > 1; k = 1 is plain Huffman).
+ZRUN: ``zsym`` (the most frequent symbol) is coded by its run lengths: every other symbol
+becomes the event (run of zsym before it, symbol); a block ending in zsym ends with a run
+without symbol. A run r is coded with the run table: codes 0..15 are r itself; code
+``16 + 4*(e-4) + s`` (e = floor(log2 r) in 4..16, s = next two bits of r) is followed by
+the ``e - 2`` low bits of r, MSB first. The literal table gives zsym length 0.
+
+Blocks: the coded units (TUPLE: k-tuples, ZRUN: input symbols) are cut into blocks of
+``units`` units (last one shorter), ``nb = ceil(total_units / units)``. Each block is coded
+independently with the stream's tables, MSB-first, starting on a byte boundary and zero
+padded to whole bytes; ``size[b]`` is its byte length, so blocks decode independently (the
+decoder runs ranges of blocks on a thread pool, GIL released). A block whose symbols need
+more bits than it holds, or that holds more whole bytes than they need, is an error.
+
+Mode choice: RAW costs n bytes, CONST one byte; TUPLE (k = 1, and k > 1 when plain
+Huffman is measurably above the order-0 entropy) and ZRUN (when one symbol has probability
+>= 1/2) are priced exactly from histograms (code lengths x counts + tables + block sizes,
+block padding estimated at half a byte). The smallest wins, so the output is never more
+than a few bytes larger than the input.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from orbax_lossy.entropy import _kernels as K
+from orbax_lossy.entropy import huffman
+from orbax_lossy.errors import CodecError, FormatError, TruncatedError
+
+MODE_RAW = 0
+MODE_CONST = 1
+MODE_TUPLE = 2
+MODE_ZRUN = 3
+
+#: input symbols per block (TUPLE blocks hold ``BLOCK_SYMBOLS // k`` tuples)
+BLOCK_SYMBOLS = 1 << 16
+#: largest super-symbol alphabet of the TUPLE mode with k > 1
+MAX_TUPLE_ALPHABET = 4096
+#: the most units per block a decoder accepts
+MAX_BLOCK_UNITS = 1 << 16
+#: ZRUN is considered when the most frequent symbol has at least this probability
+ZRUN_MIN_PROB = 0.5
+#: k > 1 tuples are tried when plain Huffman exceeds the entropy by this factor
+TUPLE_TRY_RATIO = 1.005
+#: streams with at least this many blocks are decoded on the thread pool
+PARALLEL_MIN_BLOCKS = 4
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+# ---------------------------------------------------------------------------- small helpers
+
+
+def _uvarint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _read_uvarint(buf: np.ndarray, pos: int, what: str) -> tuple[int, int]:
+    value = 0
+    for i in range(9):
+        if pos + i >= buf.size:
+            raise TruncatedError(f"symbol stream ends inside {what}")
+        b = int(buf[pos + i])
+        value |= (b & 0x7F) << (7 * i)
+        if not b & 0x80:
+            if i and b == 0:
+                raise FormatError(f"non-canonical varint for {what}")
+            return value, pos + i + 1
+    raise FormatError(f"varint for {what} is longer than 9 bytes")
+
+
+def _read_u8(buf: np.ndarray, pos: int, what: str) -> tuple[int, int]:
+    if pos >= buf.size:
+        raise TruncatedError(f"symbol stream ends before {what}")
+    return int(buf[pos]), pos + 1
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            workers = max(1, min(4, os.cpu_count() or 1))
+            _POOL = concurrent.futures.ThreadPoolExecutor(workers, "orbax_lossy_entropy")
+        return _POOL
+
+
+def _status_error(status: int) -> FormatError:
+    messages = {
+        K.STATUS_BAD_CODE: "bit pattern that is no Huffman code of the table",
+        K.STATUS_OVERRUN: "block needs more bits than its stored size",
+        K.STATUS_RUN_TOO_LONG: "zero run crosses the end of its block",
+        K.STATUS_TRAILING: "block has unused trailing bytes",
+    }
+    return FormatError(f"corrupt symbol stream: {messages.get(status, f'status {status}')}")
+
+
+def _run_blocks(kernel: Callable[[int, int], int], nb: int) -> None:
+    """Run ``kernel(b0, b1)`` over all blocks, in parallel ranges when worthwhile."""
+    pool = _pool() if nb >= PARALLEL_MIN_BLOCKS else None
+    workers = pool._max_workers if pool is not None else 1
+    if pool is None or workers == 1:
+        statuses = [kernel(0, nb)]
+    else:
+        chunks = min(nb, 4 * workers)
+        bounds = [nb * i // chunks for i in range(chunks + 1)]
+        futures = [pool.submit(kernel, bounds[i], bounds[i + 1]) for i in range(chunks)]
+        statuses = [f.result() for f in futures]
+    for status in statuses:
+        if status != K.STATUS_OK:
+            raise _status_error(status)
+
+
+def _as_symbols(symbols: np.ndarray) -> np.ndarray:
+    arr = np.asarray(symbols)
+    if arr.dtype != np.uint8 or arr.ndim != 1:
+        raise CodecError(f"symbols must be a 1-D uint8 array, got {arr.dtype} {arr.shape}")
+    return np.ascontiguousarray(arr)
+
+
+def order0_entropy_bits(symbols: np.ndarray) -> float:
+    """Total order-0 (Shannon) entropy of the stream in bits: ``n * H(p_hat)``."""
+    sym = _as_symbols(symbols)
+    n = sym.size
+    if n == 0:
+        return 0.0
+    counts = np.bincount(sym, minlength=256)
+    c = counts[counts > 0].astype(np.float64)
+    return float(np.sum(c * np.log2(n / c)))
+
+
+# ----------------------------------------------------------------------------- encoding
+
+
+def _symset_bytes(used: np.ndarray) -> bytes:
+    if used.size <= 32:
+        return used.astype(np.uint8).tobytes()
+    bits = np.zeros(256, np.uint8)
+    bits[used] = 1
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def _blocks_bytes(units: int, payload: np.ndarray, block_ends: np.ndarray) -> bytes:
+    sizes = np.diff(np.concatenate(([0], block_ends))).astype("<u4")
+    return _uvarint(units) + sizes.tobytes() + payload.tobytes()
+
+
+class _Plan:
+    """A priced candidate encoding; ``build()`` produces the body bytes."""
+
+    def __init__(self, size: float, mode: int, build: Callable[[], bytes]) -> None:
+        self.size = size
+        self.mode = mode
+        self.build = build
+
+
+def _plan_tuple(
+    sym: np.ndarray, used: np.ndarray, k: int, hist: np.ndarray, digit: np.ndarray
+) -> _Plan:
+    m = used.size
+    lens = huffman.code_lengths(hist)
+    bits = int(hist @ lens.astype(np.int64))
+    units = BLOCK_SYMBOLS // k
+    nb = -(-(-(-sym.size // k)) // units)
+    table = huffman.serialize_lengths(lens)
+    head = bytes([m - 1]) + _symset_bytes(used) + bytes([k]) + table
+    size = len(head) + len(_uvarint(units)) + 4 * nb + bits / 8 + nb / 2
+
+    def build() -> bytes:
+        codes = huffman.canonical_codes(lens)
+        out = np.empty(bits // 8 + nb + 8, np.uint8)
+        ends = np.empty(nb, np.int64)
+        total = K.tuple_encode(sym, digit, m, k, codes, lens, units, out, ends)
+        return head + _blocks_bytes(units, out[:total], ends)
+
+    return _Plan(size, MODE_TUPLE, build)
+
+
+def _plan_zrun(sym: np.ndarray, zsym: int) -> _Plan:
+    block = BLOCK_SYMBOLS
+    rh, lh = K.zrun_histograms(sym, zsym, block, K.RUN_CODE_OF)
+    rlens = huffman.code_lengths(rh)
+    llens = huffman.code_lengths(lh)
+    bits = int(rh @ (rlens.astype(np.int64) + K.RUN_EXTRA) + lh @ llens.astype(np.int64))
+    nb = -(-sym.size // block)
+    head = bytes([zsym]) + huffman.serialize_lengths(rlens) + huffman.serialize_lengths(llens)
+    size = len(head) + len(_uvarint(block)) + 4 * nb + bits / 8 + nb / 2
+
+    def build() -> bytes:
+        rcodes = huffman.canonical_codes(rlens)
+        lcodes = huffman.canonical_codes(llens)
+        out = np.empty(bits // 8 + nb + 8, np.uint8)
+        ends = np.empty(nb, np.int64)
+        total = K.zrun_encode(
+            sym, zsym, block, K.RUN_CODE_OF, K.RUN_EXTRA, rcodes, rlens, lcodes, llens, out, ends
+        )
+        return head + _blocks_bytes(block, out[:total], ends)
+
+    return _Plan(size, MODE_ZRUN, build)
+
+
+def _candidate_plans(sym: np.ndarray, counts: np.ndarray) -> list[_Plan]:
+    n = sym.size
+    used = np.flatnonzero(counts)
+    m = used.size
+    digit = np.zeros(256, np.int64)
+    digit[used] = np.arange(m)
+    plans = [_Plan(n, MODE_RAW, lambda: sym.tobytes())]
+    plans.append(_plan_tuple(sym, used, 1, counts[used].astype(np.int64), digit))
+    zsym = int(np.argmax(counts))
+    if counts[zsym] >= ZRUN_MIN_PROB * n:
+        plans.append(_plan_zrun(sym, zsym))
+    c = counts[used].astype(np.float64)
+    entropy_bytes = float(np.sum(c * np.log2(n / c))) / 8
+    best = min(p.size for p in plans)
+    if best <= TUPLE_TRY_RATIO * entropy_bytes + 64:
+        return plans
+    # k-tuples: the table grows with k, so stop after two sizes in a row without a gain
+    k, misses = 2, 0
+    while m**k <= MAX_TUPLE_ALPHABET and misses < 2:
+        hist = K.tuple_histogram(sym, digit, m, k, m**k)
+        plan = _plan_tuple(sym, used, k, hist, digit)
+        plans.append(plan)
+        misses = 0 if plan.size < best else misses + 1
+        best = min(best, plan.size)
+        k += 1
+    return plans
+
+
+def encode_symbols(symbols: np.ndarray) -> bytes:
+    """Entropy-code a 1-D uint8 array (any length) into a self-describing byte stream.
+
+    The layout is described in the module docstring; the smallest of the candidate modes
+    (RAW, CONST, TUPLE with k >= 1, ZRUN) is emitted.
+    """
+    sym = _as_symbols(symbols)
+    n = sym.size
+    if n == 0:
+        return bytes([MODE_RAW]) + _uvarint(0)
+    counts = np.bincount(sym, minlength=256)
+    if np.count_nonzero(counts) == 1:
+        return bytes([MODE_CONST]) + _uvarint(n) + bytes([int(sym[0])])
+    best = min(_candidate_plans(sym, counts), key=lambda p: p.size)
+    return bytes([best.mode]) + _uvarint(n) + best.build()
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def _read_symset(buf: np.ndarray, pos: int) -> tuple[np.ndarray, int]:
+    mm1, pos = _read_u8(buf, pos, "alphabet size")
+    m = mm1 + 1
+    if m < 2:
+        raise FormatError("TUPLE stream with fewer than 2 symbols")
+    width = m if m <= 32 else 32
+    if pos + width > buf.size:
+        raise TruncatedError("symbol stream ends inside the symbol set")
+    raw = buf[pos : pos + width]
+    if m <= 32:
+        used = raw.astype(np.int64)
+        if np.any(np.diff(used) <= 0):
+            raise FormatError("symbol set is not strictly increasing")
+    else:
+        used = np.flatnonzero(np.unpackbits(raw, bitorder="little"))
+        if used.size != m:
+            raise FormatError(f"symbol bitmap has {used.size} symbols, header says {m}")
+    return used, pos + width
+
+
+def _read_blocks(buf: np.ndarray, pos: int, total_units: int) -> tuple[int, np.ndarray]:
+    units, pos = _read_uvarint(buf, pos, "block size")
+    if not 1 <= units <= MAX_BLOCK_UNITS:
+        raise FormatError(f"block size {units} out of range 1..{MAX_BLOCK_UNITS}")
+    nb = -(-total_units // units)
+    if pos + 4 * nb > buf.size:
+        raise TruncatedError(f"symbol stream ends inside the table of {nb} block sizes")
+    sizes = buf[pos : pos + 4 * nb].view("<u4").astype(np.int64)
+    pos += 4 * nb
+    offsets = np.empty(nb + 1, np.int64)
+    offsets[0] = pos
+    np.cumsum(sizes, out=offsets[1:])
+    offsets[1:] += pos
+    if offsets[-1] > buf.size:
+        raise TruncatedError(
+            f"symbol stream holds {buf.size - pos} payload bytes, blocks need {offsets[-1] - pos}"
+        )
+    if offsets[-1] < buf.size:
+        raise FormatError(f"{buf.size - offsets[-1]} trailing bytes after the symbol stream")
+    return units, offsets
+
+
+def _decode_tuple(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
+    used, pos = _read_symset(buf, pos)
+    m = used.size
+    k, pos = _read_u8(buf, pos, "tuple length")
+    if k < 1 or (k > 1 and m**k > MAX_TUPLE_ALPHABET):
+        raise FormatError(f"invalid tuple length {k} for {m} symbols")
+    alpha = m**k
+    lens, pos = huffman.deserialize_lengths(buf, pos, alpha)
+    lut, lut_bits = huffman.decode_table(lens)
+    total_units = -(-n // k)
+    units, offsets = _read_blocks(buf, pos, total_units)
+    digits = np.arange(alpha, dtype=np.int64)
+    expand = np.empty((alpha, k), np.uint8)
+    for j in range(k - 1, -1, -1):
+        expand[:, j] = used[digits % m]
+        digits //= m
+    out = np.empty(total_units * k, np.uint8)
+
+    def kernel(b0: int, b1: int) -> int:
+        return K.tuple_decode(buf, offsets, lut, lut_bits, expand, units, total_units, out, b0, b1)
+
+    _run_blocks(kernel, offsets.size - 1)
+    return out[:n]
+
+
+def _decode_zrun(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
+    zsym, pos = _read_u8(buf, pos, "run symbol")
+    rlens, pos = huffman.deserialize_lengths(buf, pos, K.RUN_ALPHABET)
+    llens, pos = huffman.deserialize_lengths(buf, pos, 256)
+    if llens[zsym]:
+        raise FormatError("ZRUN literal table gives the run symbol a code")
+    rlut, rbits = huffman.decode_table(rlens)
+    llut, lbits = huffman.decode_table(llens)
+    block, offsets = _read_blocks(buf, pos, n)
+    out = np.empty(n, np.uint8)
+
+    def kernel(b0: int, b1: int) -> int:
+        return K.zrun_decode(
+            buf, offsets, rlut, rbits, K.RUN_BASE, K.RUN_EXTRA, llut, lbits, zsym, block, n,
+            out, b0, b1,
+        )  # fmt: skip
+
+    _run_blocks(kernel, offsets.size - 1)
+    return out
+
+
+def decode_symbols(data: bytes | memoryview, n: int) -> np.ndarray:
+    """Decode a stream of :func:`encode_symbols` into a uint8 array of length ``n``.
+
+    Raises FormatError / TruncatedError for streams that are malformed, do not hold ``n``
+    symbols, or have trailing bytes. Memory use is bounded by ``n`` and ``len(data)``.
+    """
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+        raise CodecError(f"symbol count must be a non-negative int, got {n!r}")
+    n = int(n)
+    try:
+        buf = np.frombuffer(data, dtype=np.uint8)
+    except (TypeError, ValueError) as exc:
+        raise CodecError(f"symbol stream must be a bytes-like object: {exc}") from exc
+    mode, pos = _read_u8(buf, 0, "the mode byte")
+    stored, pos = _read_uvarint(buf, pos, "the symbol count")
+    if stored != n:
+        raise FormatError(f"symbol stream holds {stored} symbols, caller expects {n}")
+    if mode == MODE_RAW:
+        if buf.size - pos != n:
+            err = TruncatedError if buf.size - pos < n else FormatError
+            raise err(f"RAW symbol stream has {buf.size - pos} bytes for {n} symbols")
+        return buf[pos:].copy()
+    if n == 0:
+        raise FormatError(f"mode {mode} is invalid for an empty symbol stream")
+    if mode == MODE_CONST:
+        sym, pos = _read_u8(buf, pos, "the constant symbol")
+        if pos != buf.size:
+            raise FormatError(f"{buf.size - pos} trailing bytes after a CONST symbol stream")
+        return np.full(n, sym, np.uint8)
+    if mode == MODE_TUPLE:
+        return _decode_tuple(buf, pos, n)
+    if mode == MODE_ZRUN:
+        return _decode_zrun(buf, pos, n)
+    raise FormatError(f"unknown symbol stream mode {mode}")

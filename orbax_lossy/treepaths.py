@@ -1,0 +1,87 @@
+"""Pytree key paths: flatten a tree into (path, leaf) pairs and rebuild trees from paths.
+
+A path is stored on disk as a list of ``[kind, key]`` pairs, with kind ``"d"`` for a dict key
+(str or int), ``"s"`` for a sequence index, ``"a"`` for an attribute name and ``"i"`` for a
+flattened index. Restoring without a target tree rebuilds nested dicts (and lists for sequence
+keys), like Orbax does; restoring with a target tree matches leaves by path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+from orbax_lossy.errors import FormatError, InvalidArgumentError
+
+StoredPath = tuple[tuple[str, Any], ...]
+
+
+def encode_path(path: Sequence[Any]) -> StoredPath:
+    out = []
+    for entry in path:
+        if isinstance(entry, DictKey):
+            key = entry.key
+            if not isinstance(key, (str, int)):
+                key = str(key)
+            out.append(("d", key))
+        elif isinstance(entry, SequenceKey):
+            out.append(("s", int(entry.idx)))
+        elif isinstance(entry, GetAttrKey):
+            out.append(("a", str(entry.name)))
+        elif isinstance(entry, FlattenedIndexKey):
+            out.append(("i", int(entry.key)))
+        else:
+            out.append(("d", str(entry)))
+    return tuple(out)
+
+
+def path_str(path: StoredPath) -> str:
+    """Human-readable path such as ``params/Dense_0/kernel`` (used in errors and rules)."""
+    return "/".join(str(k) for _, k in path) if path else "<root>"
+
+
+def flatten(tree: Any) -> tuple[list[StoredPath], list[Any], Any]:
+    """Leaves of ``tree`` with their stored paths, and the treedef."""
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths = [encode_path(p) for p, _ in with_path]
+    if len(set(paths)) != len(paths):
+        raise InvalidArgumentError("two leaves of the tree have the same key path")
+    return paths, [leaf for _, leaf in with_path], treedef
+
+
+def build_nested(paths: Sequence[StoredPath], leaves: Sequence[Any]) -> Any:
+    """Nested dicts/lists from stored paths (the tree returned when no target is given)."""
+    if len(paths) == 1 and not paths[0]:
+        return leaves[0]
+    root: dict[Any, Any] = {}
+    for path, leaf in zip(paths, leaves, strict=True):
+        if not path:
+            raise FormatError("a root leaf cannot sit beside other leaves")
+        node = root
+        for _, key in path[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise FormatError(f"path {path_str(path)} conflicts with another leaf")
+        node[path[-1][1]] = leaf
+    return _lists_from_sequence_dicts(root, paths)
+
+
+def _lists_from_sequence_dicts(root: dict[Any, Any], paths: Sequence[StoredPath]) -> Any:
+    seq_prefixes = set()
+    for path in paths:
+        for depth, (kind, _) in enumerate(path):
+            if kind == "s":
+                seq_prefixes.add(tuple(k for _, k in path[:depth]))
+
+    def convert(node: Any, prefix: tuple[Any, ...]) -> Any:
+        if not isinstance(node, dict):
+            return node
+        items = {k: convert(v, (*prefix, k)) for k, v in node.items()}
+        if prefix in seq_prefixes and sorted(items) == list(range(len(items))):
+            return [items[i] for i in range(len(items))]
+        return items
+
+    return convert(root, ())
