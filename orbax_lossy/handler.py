@@ -300,22 +300,26 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         ref = self._use_delta(item_dir, paths, signature, args.force_base)
         is_base = ref is None
 
-        plan: list[Codec] = []
-        for path, leaf, kind, impl in zip(paths, leaves, kinds, key_impls, strict=True):
-            if kind != "device" or impl is not None:
-                plan.append(Exact())
-            else:
-                plan.append(self.policy.choose(path, path_str(path), leaf.dtype, is_base))
-
-        device_idx = [i for i, k in enumerate(kinds) if k == "device"]
-        refs = [None] * len(prepared)
+        device_idx = [i for i, k in enumerate(kinds) if k == "device" and key_impls[i] is None]
+        refs: list[Any] = [None] * len(prepared)
         if ref is not None:
             for i in device_idx:
-                if plan[i].needs_reference:
-                    r = ref.values[i]
-                    if isinstance(r, np.ndarray):
-                        r = jax.device_put(r, prepared[i].sharding)
-                    refs[i] = r
+                r = ref.values[i]
+                if isinstance(r, np.ndarray):
+                    r = jax.device_put(r, prepared[i].sharding)
+                refs[i] = r
+        plan: list[Codec] = [Exact() for _ in prepared]
+        chosen = self.policy.plan(
+            [paths[i] for i in device_idx],
+            [prepared[i] for i in device_idx],
+            [refs[i] for i in device_idx],
+            is_base,
+        )
+        for i, codec in zip(device_idx, chosen, strict=True):
+            if is_base and codec.needs_reference:
+                raise LossyError(f"policy chose delta codec {codec} for a base save")
+            plan[i] = codec
+        device_idx = [i for i, k in enumerate(kinds) if k == "device"]
         encoded = program.encode_tree(
             [prepared[i] for i in device_idx],
             [refs[i] for i in device_idx],

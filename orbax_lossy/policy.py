@@ -28,7 +28,7 @@ from orbax_lossy.codecs.base import Codec
 from orbax_lossy.codecs.exact import Exact
 from orbax_lossy.codecs.lc import LC
 from orbax_lossy.errors import InvalidArgumentError
-from orbax_lossy.treepaths import StoredPath
+from orbax_lossy.treepaths import StoredPath, path_str
 
 ROLES = ("param", "first_moment", "second_moment", "optimizer", "integer", "rng")
 _OPTIMIZER_KEYS = {"opt_state", "optimizer", "opt"}
@@ -95,6 +95,23 @@ class LeafPolicy:
         merged = dict(DEFAULT_ROLE_CODECS)
         merged.update(defaults or {})
         return cls(rules=tuple(rules), defaults=tuple(merged.items()))
+
+    def plan(
+        self,
+        paths: Sequence[StoredPath],
+        values: Sequence[jax.Array],
+        references: Sequence[jax.Array | None],
+        is_base: bool,
+    ) -> list[Codec]:
+        """Codec of every device leaf for one save (the interface the handler calls).
+
+        ``references`` holds the previous reconstruction of each leaf (None on base saves).
+        A policy must return the same plan on every process for the same inputs.
+        """
+        return [
+            self.choose(path, path_str(path), value.dtype, is_base)
+            for path, value in zip(paths, values, strict=True)
+        ]
 
     def choose(self, path: StoredPath, path_string: str, dtype: np.dtype, is_base: bool) -> Codec:
         role = leaf_role(path, dtype)
