@@ -47,11 +47,7 @@ def checkpoint_manager(
         )
     inner = preservation_policy or options.preservation_policy
     if inner is None:
-        inner = (
-            ocp.checkpoint_managers.LatestN(max_to_keep)
-            if max_to_keep is not None
-            else ocp.checkpoint_managers.PreserveAll()
-        )
+        inner = ocp.checkpoint_managers.LatestN(max_to_keep)  # n=None keeps every step
     options.preservation_policy = ChainPreservationPolicy(inner, handler, directory, "default")
     options.max_to_keep = None
     registry = ocp.handlers.create_default_handler_registry(default=handler)
