@@ -57,7 +57,9 @@ def exponent_buckets(delta: jax.Array) -> tuple[jax.Array, int]:
     lo, hi = _exponent_range(delta.dtype)
     _, e = jnp.frexp(delta)
     bucket = 2 * (e.astype(jnp.int32) - lo) + (delta < 0).astype(jnp.int32)
-    bucket = jnp.where(delta == 0, -1, bucket)
+    # Zeros and subnormals are "no change": XLA flushes subnormals on CPU/GPU, so a bucket
+    # of them could not be represented faithfully.
+    bucket = jnp.where(jnp.abs(delta) < jnp.finfo(delta.dtype).tiny, -1, bucket)
     return bucket, 2 * (hi - lo + 1)
 
 

@@ -119,9 +119,7 @@ def to_planes(array: np.ndarray) -> np.ndarray:
     return words.astype(_word_dtype(width), copy=False).view(np.uint8).reshape(-1, width).T
 
 
-def from_planes(
-    planes: np.ndarray, shape: tuple[int, ...], dtype: np.dtype
-) -> np.ndarray:
+def from_planes(planes: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """Inverse of :func:`to_planes`: rebuild an array of ``shape``/``dtype`` (native order)."""
     width = _component_itemsize(dtype)
     native = dtype.newbyteorder("=")
@@ -155,9 +153,7 @@ def _check_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return dims
 
 
-def decode_array(
-    data: bytes | memoryview, shape: tuple[int, ...], dtype: DTypeLike
-) -> np.ndarray:
+def decode_array(data: bytes | memoryview, shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
     """Decode :func:`encode_array` output into a new array of ``shape`` and ``dtype``.
 
     Bit-for-bit identical to the encoded array (NaN payloads and -0.0 included). Raises
@@ -186,9 +182,7 @@ def decode_array(
     for j in range(width):
         length, pos = _read_uvarint(buf, pos, f"the length of byte plane {j}")
         if pos + length > len(buf):
-            raise TruncatedError(
-                f"byte plane {j} needs {length} bytes, {len(buf) - pos} are left"
-            )
+            raise TruncatedError(f"byte plane {j} needs {length} bytes, {len(buf) - pos} are left")
         planes[j] = decode_symbols(buf[pos : pos + length], symbols)
         pos += length
     if pos != len(buf):

@@ -79,6 +79,10 @@ _POOL_LOCK = threading.Lock()
 # ---------------------------------------------------------------------------- small helpers
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _uvarint(value: int) -> bytes:
     out = bytearray()
     while True:
@@ -196,7 +200,7 @@ def _plan_tuple(
     lens = huffman.code_lengths(hist)
     bits = int(hist @ lens.astype(np.int64))
     units = BLOCK_SYMBOLS // k
-    nb = -(-(-(-sym.size // k)) // units)
+    nb = _ceil_div(_ceil_div(sym.size, k), units)
     table = huffman.serialize_lengths(lens)
     head = bytes([m - 1]) + _symset_bytes(used) + bytes([k]) + table
     size = len(head) + len(_uvarint(units)) + 4 * nb + bits / 8 + nb / 2
@@ -217,7 +221,7 @@ def _plan_zrun(sym: np.ndarray, zsym: int) -> _Plan:
     rlens = huffman.code_lengths(rh)
     llens = huffman.code_lengths(lh)
     bits = int(rh @ (rlens.astype(np.int64) + K.RUN_EXTRA) + lh @ llens.astype(np.int64))
-    nb = -(-sym.size // block)
+    nb = _ceil_div(sym.size, block)
     head = bytes([zsym]) + huffman.serialize_lengths(rlens) + huffman.serialize_lengths(llens)
     size = len(head) + len(_uvarint(block)) + 4 * nb + bits / 8 + nb / 2
 
@@ -306,7 +310,7 @@ def _read_blocks(buf: np.ndarray, pos: int, total_units: int) -> tuple[int, np.n
     units, pos = _read_uvarint(buf, pos, "block size")
     if not 1 <= units <= MAX_BLOCK_UNITS:
         raise FormatError(f"block size {units} out of range 1..{MAX_BLOCK_UNITS}")
-    nb = -(-total_units // units)
+    nb = _ceil_div(total_units, units)
     if pos + 4 * nb > buf.size:
         raise TruncatedError(f"symbol stream ends inside the table of {nb} block sizes")
     sizes = buf[pos : pos + 4 * nb].view("<u4").astype(np.int64)
@@ -333,7 +337,7 @@ def _decode_tuple(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
     alpha = m**k
     lens, pos = huffman.deserialize_lengths(buf, pos, alpha)
     lut, lut_bits = huffman.decode_table(lens)
-    total_units = -(-n // k)
+    total_units = _ceil_div(n, k)
     units, offsets = _read_blocks(buf, pos, total_units)
     digits = np.arange(alpha, dtype=np.int64)
     expand = np.empty((alpha, k), np.uint8)

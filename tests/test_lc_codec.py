@@ -1,0 +1,176 @@
+"""LC-Checkpoint codec: bucket bounds, closed loop, bit-identical decode, one compiled program."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from orbax_lossy import program
+from orbax_lossy.codecs.exact import Exact
+from orbax_lossy.codecs.lc import LC, promote
+from orbax_lossy.demo import training_run
+
+
+def check_bounds(delta: np.ndarray, symbols: np.ndarray, reps: np.ndarray, bits: int) -> None:
+    """The three guarantees of the exponent quantizer, on one delta array."""
+    delta = delta.astype(np.float64).reshape(-1)
+    symbols = symbols.reshape(-1)
+    assert symbols.max(initial=0) < 2**bits
+    assert reps[0] == 0
+    decoded = reps[symbols].astype(np.float64)
+    kept = symbols > 0
+    # kept elements decode within their bucket: relative error < 50%, same sign
+    if kept.any():
+        rel = np.abs(decoded[kept] - delta[kept]) / np.abs(delta[kept])
+        assert rel.max() < 0.5
+        assert np.all(np.sign(decoded[kept]) == np.sign(delta[kept]))
+        # every kept element shares its bucket (sign, exponent) with its representative
+        assert np.all(np.frexp(decoded[kept])[1] == np.frexp(delta[kept])[1])
+    # every dropped element is smaller than every kept bucket's lower edge (bits >= 2)
+    dropped = ~kept & (delta != 0)
+    if kept.any() and dropped.any() and bits >= 2:
+        lower_edge = np.min(2.0 ** (np.frexp(delta[kept])[1] - 1))
+        assert np.abs(delta[dropped]).max() < lower_edge
+    if bits == 1 and kept.any() and dropped.any():
+        sign = np.sign(decoded[kept][0])
+        same = dropped & (np.sign(delta) == sign)
+        if same.any():
+            assert np.abs(delta[same]).max() < np.min(2.0 ** (np.frexp(delta[kept])[1] - 1))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_bounds_on_random_deltas(bits: int, dtype) -> None:
+    rng = np.random.default_rng(bits)
+    scale = np.exp(rng.normal(size=20_000) * 2)
+    delta = (rng.standard_normal(20_000) * 1e-3 * scale).astype(np.float32)
+    delta[rng.random(20_000) < 0.1] = 0.0
+    delta = np.asarray(jnp.asarray(delta, dtype).astype(jnp.float32))
+    symbols, reps = jax.jit(promote, static_argnums=1)(jnp.asarray(delta), bits)
+    symbols, reps = np.asarray(symbols), np.asarray(reps)
+    check_bounds(delta, symbols, reps, bits)
+    # alphabet: at most 2**bits symbols, zero included; all are used when data allows
+    assert len(np.unique(symbols)) <= 2**bits
+    # zero deltas always map to symbol 0
+    assert np.all(symbols[np.abs(delta) < np.finfo(np.float32).tiny] == 0)
+
+
+def test_bounds_on_real_training_deltas() -> None:
+    states = [s.params for step, s in training_run(40, "adamw") if step in (10, 20, 40)]
+    for bits in (2, 3, 4):
+        for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[2]), strict=True):
+            delta = np.asarray(b - a)
+            symbols, reps = jax.jit(promote, static_argnums=1)(jnp.asarray(delta), bits)
+            check_bounds(delta, np.asarray(symbols), np.asarray(reps), bits)
+
+
+def test_midrange_representative_is_paper_choice() -> None:
+    delta = jnp.asarray([1.0, 1.5, 1.75, -3.0, -2.5, 0.0], jnp.float32)
+    symbols, reps = promote(delta, 3)
+    decoded = np.asarray(reps)[np.asarray(symbols)]
+    # bucket [1, 2): min 1, max 1.75 -> 1.375; bucket (-4, -2]: -(3 + 2.5) / 2
+    np.testing.assert_array_equal(decoded, [1.375, 1.375, 1.375, -2.75, -2.75, 0.0])
+
+
+def test_all_zero_and_tiny_leaves() -> None:
+    for delta in (jnp.zeros((0,)), jnp.zeros((5,)), jnp.asarray(3.0), jnp.asarray([1e-45])):
+        symbols, reps = promote(delta.astype(jnp.float32), 3)
+        assert symbols.shape == delta.shape
+        decoded = np.asarray(reps)[np.asarray(symbols)]
+        normal = np.abs(np.asarray(delta)) >= np.finfo(np.float32).tiny
+        # normal deltas keep their sign; zeros and subnormals decode to 0
+        assert np.all(np.sign(decoded[normal]) == np.sign(np.asarray(delta)[normal]))
+        assert np.all(decoded[~normal] == 0)
+
+
+def encode_decode(values, refs, codecs):
+    shardings = tuple(v.sharding for v in values)
+    out = program.encode_tree(values, refs, plan=tuple(codecs), shardings=shardings)
+    fields = [
+        {k: jnp.asarray(c.host_decode(k, c.host_encode(k, np.asarray(v)), v.shape, v.dtype))
+         for k, v in o["fields"].items()}
+        for o, c in zip(out, codecs, strict=True)
+    ]
+    sides = [
+        {k: jnp.asarray(np.asarray(v)) for k, v in o["side"].items()} for o in out
+    ]
+    decoded = program.decode_tree(
+        fields, sides, refs, plan=tuple(codecs),
+        dtypes=tuple(np.dtype(v.dtype) for v in values), shardings=shardings,
+    )
+    return out, decoded
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_closed_loop_decode_is_bit_identical_to_returned_reconstruction(dtype) -> None:
+    rng = np.random.default_rng(0)
+    reference = jnp.asarray(rng.standard_normal((64, 33)), dtype)
+    recon = reference
+    for _ in range(5):
+        value = (recon.astype(jnp.float32) + 1e-2 * rng.standard_normal((64, 33))).astype(dtype)
+        out, decoded = encode_decode([value], [recon], [LC(3)])
+        returned = out[0]["recon"]
+        assert returned.dtype == value.dtype
+        np.testing.assert_array_equal(
+            np.asarray(decoded[0]).view(np.uint16 if dtype != jnp.float32 else np.uint32),
+            np.asarray(returned).view(np.uint16 if dtype != jnp.float32 else np.uint32),
+        )
+        recon = returned
+
+
+def test_closed_loop_error_does_not_accumulate() -> None:
+    """Deltas against the reconstruction keep the error bounded over many saves."""
+    rng = np.random.default_rng(1)
+    value = jnp.asarray(rng.standard_normal(10_000), jnp.float32)
+    recon = value
+    errors = []
+    for _ in range(30):
+        value = value + jnp.asarray(1e-3 * rng.standard_normal(10_000), jnp.float32)
+        out, _ = encode_decode([value], [recon], [LC(3)])
+        recon = out[0]["recon"]
+        errors.append(float(jnp.abs(recon - value).max()))
+    assert max(errors[10:]) < 3 * max(errors[:10])
+
+
+def test_one_program_for_the_whole_tree_and_no_recompile() -> None:
+    rng = np.random.default_rng(2)
+    shapes = [(32, 16), (16,), (8, 8, 4), ()]
+    values = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+    refs = [v + 0.01 for v in values]
+    plan = tuple([LC(3)] * len(shapes))
+    shardings = tuple(v.sharding for v in values)
+    program.encode_tree.clear_cache()
+    with jax.log_compiles(False):
+        program.encode_tree(values, refs, plan=plan, shardings=shardings)
+        assert program.encode_tree._cache_size() == 1
+        values2 = [v * 2 for v in values]
+        program.encode_tree(values2, refs, plan=plan, shardings=shardings)
+        # Same shapes, dtypes, shardings and codecs: no new compilation.
+        assert program.encode_tree._cache_size() == 1
+        # A different codec parameter is a new program (and is cached too).
+        program.encode_tree(values2, refs, plan=tuple([LC(4)] * 4), shardings=shardings)
+        assert program.encode_tree._cache_size() == 2
+
+
+def test_whole_tree_is_one_dispatch() -> None:
+    """The encode program is one XLA computation regardless of the number of leaves."""
+    values = [jnp.ones((4, 4)) * i for i in range(6)]
+    refs = [v * 0 for v in values]
+    lowered = program.encode_tree.lower(
+        values, refs, plan=tuple([LC(3)] * 6), shardings=tuple(v.sharding for v in values)
+    )
+    text = lowered.as_text()
+    assert text.count("func.func public @main") == 1
+
+
+def test_non_finite_delta_flags_leaf_and_keeps_value() -> None:
+    value = jnp.asarray([1.0, jnp.nan, 3.0], jnp.float32)
+    ref = jnp.zeros(3, jnp.float32)
+    out = program.encode_tree(
+        [value, value + 0], [ref, None], plan=(LC(3), Exact()),
+        shardings=(value.sharding, value.sharding),
+    )
+    assert not bool(out[0]["finite"])
+    np.testing.assert_array_equal(np.asarray(out[0]["recon"]), np.asarray(value))
