@@ -1,0 +1,187 @@
+"""Container format: chunk grid, envelopes, checksums, corruption never returns wrong values."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import msgpack
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import orbax_lossy as ol
+from orbax_lossy import format as fmt
+from orbax_lossy.handler import read_manifest
+
+
+def test_chunk_grid_depends_only_on_shape_and_dtype() -> None:
+    assert fmt.chunk_shape_for((1024, 1024), 4, 1 << 20) == (512, 512)
+    assert fmt.chunk_shape_for((10,), 4, 1 << 20) == (10,)
+    assert fmt.chunk_shape_for((), 4, 1 << 20) == ()
+    assert fmt.chunk_shape_for((0, 7), 4, 1 << 20) == (1, 7)
+    chunk = fmt.chunk_shape_for((3, 5000, 7), 2, 4096)
+    assert np.prod(chunk) * 2 <= 4096
+
+
+def test_grid_pieces_tile_a_box_exactly() -> None:
+    box = ((3, 17), (0, 9))
+    pieces = list(fmt.grid_pieces(box, (4, 4)))
+    covered = np.zeros((20, 9), int)
+    for p in pieces:
+        covered[p[0][0] : p[0][1], p[1][0] : p[1][1]] += 1
+        assert p[0][0] // 4 == (p[0][1] - 1) // 4  # inside one grid cell
+    assert covered[3:17].min() == 1 and covered.sum() == 14 * 9
+
+
+def test_envelope_round_trip_and_corruption() -> None:
+    data = fmt.pack_envelope("manifest", {"a": [1, 2, 3]})
+    assert fmt.unpack_envelope(data, "manifest", "x") == {"a": [1, 2, 3]}
+    outer = msgpack.unpackb(data)
+    outer["body"] = outer["body"][:-1] + bytes([outer["body"][-1] ^ 1])
+    with pytest.raises(ol.ChecksumError, match="x: checksum"):
+        fmt.unpack_envelope(msgpack.packb(outer), "manifest", "x")
+    with pytest.raises(ol.FormatError):
+        fmt.unpack_envelope(data[:-3], "manifest", "x")
+    with pytest.raises(ol.FormatError, match="expected a 'index'"):
+        fmt.unpack_envelope(data, "index", "x")
+    outer = msgpack.unpackb(data)
+    outer["version"] = 99
+    with pytest.raises(ol.UnsupportedVersionError):
+        fmt.unpack_envelope(msgpack.packb(outer), "manifest", "x")
+
+
+def _save_two(tmp_path):
+    rng = np.random.default_rng(0)
+    state = {
+        "w": jnp.asarray(rng.standard_normal((64, 64)), jnp.float32),
+        "b": jnp.asarray(rng.standard_normal(64), jnp.bfloat16),
+        "n": jnp.arange(5),
+    }
+    handler = ol.LossyCheckpointHandler(chunk_bytes=4096)
+    mngr = ol.checkpoint_manager(tmp_path, handler=handler, max_to_keep=None)
+    mngr.save(0, args=ol.LossySave(state))
+    mngr.wait_until_finished()
+    state2 = dict(state, w=state["w"] + 0.01)
+    mngr.save(1, args=ol.LossySave(state2))
+    mngr.wait_until_finished()
+    return mngr, handler
+
+
+def test_every_piece_is_checksummed_on_read(tmp_path) -> None:
+    mngr, _ = _save_two(tmp_path)
+    item = os.path.join(tmp_path, "1", "default")
+    manifest = read_manifest(item)
+    pieces = [p for leaf in manifest["leaves"] for p in leaf["pieces"]]
+    assert len(pieces) > 3  # small chunks: several pieces
+    path = os.path.join(item, pieces[0]["file"])
+    raw = bytearray(open(path, "rb").read())
+    raw[pieces[0]["offset"]] ^= 0x40
+    open(path, "wb").write(bytes(raw))
+    fresh = ol.checkpoint_manager(tmp_path)
+    with pytest.raises(ol.ChecksumError, match="checksum mismatch"):
+        fresh.restore(1)
+
+
+def test_corrupted_base_is_detected_through_the_delta(tmp_path) -> None:
+    _save_two(tmp_path)
+    base = os.path.join(tmp_path, "0", "default", fmt.data_file_name(0))
+    raw = bytearray(open(base, "rb").read())
+    raw[len(raw) // 2] ^= 0xFF
+    open(base, "wb").write(bytes(raw))
+    with pytest.raises(ol.ChecksumError, match=r"0/default"):
+        ol.checkpoint_manager(tmp_path).restore(1)
+
+
+def test_truncated_payload(tmp_path) -> None:
+    _save_two(tmp_path)
+    path = os.path.join(tmp_path, "1", "default", fmt.data_file_name(0))
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - 10)
+    with pytest.raises(ol.TruncatedError):
+        ol.checkpoint_manager(tmp_path).restore(1)
+
+
+def test_corrupted_and_truncated_manifest(tmp_path) -> None:
+    _save_two(tmp_path)
+    path = os.path.join(tmp_path, "1", "default", fmt.MANIFEST_NAME)
+    raw = open(path, "rb").read()
+    open(path, "wb").write(raw[: len(raw) // 2])
+    with pytest.raises(ol.FormatError, match="manifest.msgpack"):
+        ol.checkpoint_manager(tmp_path).restore(1)
+
+
+def _rewrite_manifest(item: str, mutate) -> None:
+    body = read_manifest(item)
+    mutate(body)
+    fmt.write_envelope(os.path.join(item, fmt.MANIFEST_NAME), "manifest", body)
+
+
+@pytest.mark.parametrize(
+    "mutate, error",
+    [
+        (lambda b: b["leaves"][0]["pieces"][0].update(length=1 << 40), ol.TruncatedError),
+        (lambda b: b["leaves"][0]["pieces"][0].update(offset=-5), ol.FormatError),
+        (lambda b: b["leaves"][0].update(shape=[1 << 30, 1 << 30]), ol.FormatError),
+        (lambda b: b["leaves"][0]["pieces"][0].update(file="../../etc/passwd"), ol.FormatError),
+        (lambda b: b["leaves"][0]["pieces"].pop(), ol.FormatError),
+        (lambda b: b["leaves"][0].update(codec={"id": "nope"}), ol.CodecError),
+        (lambda b: b["leaves"][0].update(dtype="float1024"), ol.FormatError),
+    ],
+)
+def test_impossible_manifest_entries_raise(tmp_path, mutate, error) -> None:
+    """Valid checksums over impossible content: a clear error, no huge allocation."""
+    _save_two(tmp_path)
+    _rewrite_manifest(os.path.join(tmp_path, "1", "default"), mutate)
+    with pytest.raises(error):
+        ol.checkpoint_manager(tmp_path).restore(1)
+
+
+def test_piece_payload_swapped_between_leaves_is_caught(tmp_path) -> None:
+    """Checksums are per piece; a manifest pointing at the wrong piece fails size checks."""
+    _save_two(tmp_path)
+    item = os.path.join(tmp_path, "0", "default")
+
+    def swap(body):
+        a, b = body["leaves"][0], body["leaves"][1]
+        a["pieces"][0], b["pieces"][0] = b["pieces"][0], a["pieces"][0]
+
+    _rewrite_manifest(item, swap)
+    with pytest.raises(ol.FormatError):
+        ol.LossyCheckpointHandler().restore(item)
+
+
+def test_no_pickle_in_the_item_directory(tmp_path) -> None:
+    _save_two(tmp_path)
+    item = os.path.join(tmp_path, "1", "default")
+    assert sorted(os.listdir(item)) == sorted(
+        ["commit_success.txt", fmt.MANIFEST_NAME, fmt.data_file_name(0)]
+    ) or sorted(os.listdir(item)) == sorted([fmt.MANIFEST_NAME, fmt.data_file_name(0)])
+    # the manifest is plain msgpack (no pickle opcodes: protocol 2+ starts with 0x80)
+    raw = open(os.path.join(item, fmt.MANIFEST_NAME), "rb").read()
+    assert raw[0] != 0x80 and msgpack.unpackb(raw)["magic"] == "orbax-lossy"
+
+
+def test_manifest_records_format_codecs_and_grid(tmp_path) -> None:
+    _save_two(tmp_path)
+    base = read_manifest(os.path.join(tmp_path, "0", "default"))
+    delta = read_manifest(os.path.join(tmp_path, "1", "default"))
+    assert base["kind"] == "base" and base["reference"] is None
+    assert delta["kind"] == "delta" and delta["reference"]["step"] == 0
+    codecs = {tuple(k for _, k in leaf["path"]): leaf["codec"] for leaf in delta["leaves"]}
+    assert codecs[("w",)] == {"id": "lc", "bits": 3, "stats": "leaf"}
+    assert codecs[("n",)] == {"id": "exact"}
+    assert all(leaf["codec"]["id"] == "exact" for leaf in base["leaves"])
+    w = next(leaf for leaf in delta["leaves"] if leaf["path"] == [["d", "w"]])
+    assert w["chunk"] == list(fmt.chunk_shape_for((64, 64), 4, 4096))
+
+
+def test_bare_checkpointer_round_trip(tmp_path) -> None:
+    """The handler also works under a plain (synchronous) ocp.Checkpointer."""
+    value = {"x": jnp.linspace(0, 1, 100), "i": jnp.arange(3)}
+    ckptr = ocp.Checkpointer(ol.LossyCheckpointHandler())
+    ckptr.save(tmp_path / "a", args=ol.LossySave(value))
+    restored = ckptr.restore(tmp_path / "a", args=ol.LossyRestore())
+    jax.tree.map(np.testing.assert_array_equal, restored, value)
