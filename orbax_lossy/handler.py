@@ -278,6 +278,25 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             return None
         return ref
 
+    def _agree_on_reference(self, ref: _Reference | None) -> _Reference | None:
+        """Multi-process: every process follows the primary host's base/delta decision.
+
+        ``_use_delta`` also looks for the reference's manifest on disk. On a shared filesystem
+        without cross-host read-after-write consistency, one process may see it and another
+        not; they would then run different encode programs (mismatched collectives) and write
+        a base and a delta into one step. The in-memory checks are identical everywhere.
+        """
+        from jax.experimental import multihost_utils
+
+        use = multihost_utils.broadcast_one_to_all(
+            np.int32(ref is not None), is_source=jax.process_index() == self.primary_host
+        )
+        if not int(use):
+            return None
+        if ref is None and self._reference is None:
+            raise ChainError("the primary host saves a delta but this process has no reference")
+        return ref if ref is not None else self._reference
+
     async def async_save(
         self, directory: epath.Path, args: LossySave
     ) -> list[ocp.future.Future] | None:
@@ -298,6 +317,8 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             (tuple(np.shape(x)), _dtype_name(x.dtype)) for x in prepared
         )
         ref = self._use_delta(item_dir, paths, signature, args.force_base)
+        if jax.process_count() > 1:
+            ref = self._agree_on_reference(ref)
         is_base = ref is None
 
         device_idx = [i for i, k in enumerate(kinds) if k == "device" and key_impls[i] is None]
@@ -539,7 +560,14 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         for leaf in manifest["leaves"]:
             paths.append(tuple((k, v) for k, v in leaf["path"]))
             dtype = _dtype_of(leaf["dtype"], os.fspath(directory))
-            leaves.append(jax.ShapeDtypeStruct(tuple(leaf["shape"]), dtype))
+            shape = tuple(leaf["shape"])
+            if leaf.get("key_impl"):  # show the PRNG key array, not its uint32 key data
+                impl = leaf["key_impl"]
+                leaves.append(jax.eval_shape(
+                    lambda s=shape, d=dtype, impl=impl: jax.random.wrap_key_data(
+                        jnp.zeros(s, d), impl=impl)))
+                continue
+            leaves.append(jax.ShapeDtypeStruct(shape, dtype))
         return build_nested(paths, leaves)
 
     def chain(self, directory: os.PathLike | str) -> list[tuple[str, dict[str, Any]]]:
@@ -617,6 +645,13 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         for p, leaf, i in zip(paths, leaves, selected, strict=True):
             stored = tuple(manifest["leaves"][i]["shape"])
             shape = getattr(leaf, "shape", None)
+            dtype = getattr(leaf, "dtype", None)
+            if shape is not None and dtype is not None and jax.dtypes.issubdtype(
+                dtype, jax.dtypes.prng_key
+            ):  # a PRNG key target: compare its key-data shape with the stored one
+                shape = jax.eval_shape(
+                    jax.random.key_data, jax.ShapeDtypeStruct(tuple(shape), dtype)
+                ).shape
             if shape is not None and tuple(shape) != stored:
                 raise InvalidArgumentError(
                     f"leaf {path_str(p)!r}: target shape {tuple(shape)} != stored shape {stored} "

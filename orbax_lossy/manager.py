@@ -8,7 +8,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from orbax_lossy.chain import ChainPreservationPolicy
-from orbax_lossy.handler import LossyCheckpointHandler
+from orbax_lossy.handler import LossyCheckpointHandler, LossyRestore, LossySave
 from orbax_lossy.policy import LeafPolicy
 
 
@@ -50,5 +50,9 @@ def checkpoint_manager(
         inner = ocp.checkpoint_managers.LatestN(max_to_keep)  # n=None keeps every step
     options.preservation_policy = ChainPreservationPolicy(inner, handler, directory, "default")
     options.max_to_keep = None
-    registry = ocp.handlers.create_default_handler_registry(default=handler)
+    # Register both args types explicitly (not create_default_handler_registry, which looks
+    # the args up by the handler's exact class and so rejects subclasses of the handler).
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add("default", LossySave, handler)
+    registry.add("default", LossyRestore, handler)
     return ocp.CheckpointManager(directory, options=options, handler_registry=registry)

@@ -1,0 +1,145 @@
+"""Async saves: ``mngr.save()`` returns once device work is dispatched and host copies are
+secured, so the caller may donate or overwrite its arrays at once; bad arguments fail in
+``LossySave(...)``, before the manager starts anything."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import orbax_lossy as ol
+from orbax_lossy.treepaths import path_str
+
+
+class GatedHandler(ol.LossyCheckpointHandler):
+    """The real handler, whose background write waits until the test opens the gate."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.write_threads: list[str] = []
+
+    def _write_files(self, *args, **kwargs):
+        self.write_threads.append(threading.current_thread().name)
+        assert self.gate.wait(60), "gate never opened"
+        return super()._write_files(*args, **kwargs)
+
+
+def params_at(t: int) -> dict:
+    k = jax.random.split(jax.random.key(t), 2)
+    return {
+        "w": jnp.cos(jnp.arange(128 * 64, dtype=jnp.float32).reshape(128, 64) * 1e-3)
+        + 0.01 * t * jax.random.normal(k[0], (128, 64)),
+        "b": 0.1 * t * jnp.ones((64,), jnp.float32),
+        "host": np.arange(10, dtype=np.float32) + t,
+    }
+
+
+donate_all = jax.jit(lambda p: jax.tree.map(lambda x: x * 0 + 7, p), donate_argnums=0)
+
+
+@pytest.mark.parametrize("donated_step", [0, 1])  # a base save and a delta save
+def test_donate_and_overwrite_right_after_save_returns(tmp_path, assert_bitwise, donated_step):
+    handler = GatedHandler(base_interval=5)
+    mngr = ol.checkpoint_manager(tmp_path, handler=handler, max_to_keep=None)
+    expected = {}
+    for step in range(donated_step + 1):
+        params = params_at(step)
+        old = jax.tree.map(np.array, params)
+        if step == donated_step:
+            mngr.wait_until_finished()  # save() would wait for the previous (gated) write
+            handler.gate.clear()
+        assert mngr.save(step, args=ol.LossySave(params))
+        snap = {
+            path_str(p): None if v is None else np.array(v)
+            for p, v in zip(handler._reference.paths, handler._reference.values, strict=True)
+        }
+        expected[step] = (old, snap)
+    # save() returned while the background write is still blocked: nothing committed yet.
+    assert not handler.gate.is_set() and mngr.is_saving_in_progress()
+    assert str(donated_step) not in os.listdir(tmp_path)
+
+    device = {k: v for k, v in params.items() if k != "host"}
+    new = donate_all(device)
+    assert all(v.is_deleted() for v in device.values())  # the buffers really are gone
+    params["host"][:] = -1.0  # overwrite the host leaf in place
+    assert not any(v.is_deleted() for v in handler._reference.values if v is not None)
+
+    handler.gate.set()
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == list(range(donated_step + 1))
+    assert all(name != threading.main_thread().name for name in handler.write_threads)
+    assert float(new["w"][0, 0]) == 7.0
+
+    restored = ol.checkpoint_manager(tmp_path, max_to_keep=None).restore(donated_step)
+    old, snap = expected[donated_step]
+    assert_bitwise(restored["host"], old["host"], "host leaf keeps the old values")
+    for name in ("w", "b"):
+        assert_bitwise(restored[name], snap[name], name)
+        np.testing.assert_allclose(np.asarray(restored[name]), old[name], atol=0.02)
+    if donated_step == 0:  # a base is lossless
+        assert_bitwise(restored["w"], old["w"], "base w")
+    mngr.close()
+
+
+def test_sync_mode_also_works(tmp_path, assert_bitwise):
+    mngr = ol.checkpoint_manager(tmp_path, enable_async_checkpointing=False, max_to_keep=None)
+    for step in range(3):
+        p = params_at(step)
+        mngr.save(step, args=ol.LossySave(p))
+        assert str(step) in os.listdir(tmp_path)  # committed when save() returns
+    assert_bitwise(ol.checkpoint_manager(tmp_path).restore(0)["w"], params_at(0)["w"], "base")
+
+
+@pytest.mark.parametrize(
+    "item, match",
+    [
+        (None, "needs an item"),
+        ({}, "no leaves"),
+        ({"a": jnp.ones(3), "s": "text"}, r"'s' has unsupported type str"),
+        ({"o": np.array([object(), 1], dtype=object)}, "'o' is an object array"),
+        ({"l": [jnp.ones(2), lambda x: x]}, "unsupported type function"),
+    ],
+)
+def test_bad_trees_fail_in_lossy_save_before_the_manager_starts(tmp_path, item, match):
+    mngr = ol.checkpoint_manager(tmp_path)
+    with pytest.raises(ol.InvalidArgumentError, match=match):
+        mngr.save(0, args=ol.LossySave(item))  # raised while building the args
+    assert not mngr.is_saving_in_progress()
+    assert os.listdir(tmp_path) == []
+    mngr.save(0, args=ol.LossySave({"a": jnp.ones(3)}))  # the manager is still usable
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [0]
+
+
+def test_donated_array_is_rejected_up_front(tmp_path):
+    x = {"w": jnp.ones((4, 4))}
+    donate_all(x)
+    with pytest.raises(ol.InvalidArgumentError, match="'w' is a deleted"):
+        ol.LossySave(x)
+
+
+def test_bad_handler_settings_are_rejected():
+    with pytest.raises(ol.InvalidArgumentError):
+        ol.LossyCheckpointHandler(base_interval=0)
+    with pytest.raises(ol.InvalidArgumentError):
+        ol.LossyCheckpointHandler(chunk_bytes=10)
+    with pytest.raises(ol.InvalidArgumentError):
+        ol.LeafPolicy.create(rules=[("role:nope", ol.LC())])
+
+
+def test_typestr_and_registration():
+    assert ol.LossyCheckpointHandler.typestr() == "orbax_lossy.LossyCheckpointHandler"
+    assert isinstance(ol.LossyCheckpointHandler(), ocp.AsyncCheckpointHandler)
+    default = ol.LossyCheckpointHandler()
+    assert default.base_interval >= 1
+    codecs = default.policy.plan([(("d", "w"),)], [jnp.ones(3)], [jnp.ones(3)], False)
+    assert codecs == [ol.LC(bits=3)]
+    ol.LossyRestore()  # every restore field is optional
