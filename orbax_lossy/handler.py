@@ -135,7 +135,7 @@ class _Reference:
     step: int | None
     chain_length: int
     paths: tuple[StoredPath, ...]
-    signature: tuple[tuple[tuple[int, ...], str], ...]
+    signature: tuple[tuple[tuple[int, ...], str] | None, ...]
     values: list[Any]  # per leaf: device array, host numpy array, or None (host leaves)
 
 
@@ -314,7 +314,8 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             prepared.append(leaf if kind == "device" else np.asarray(jax.device_get(leaf)))
             key_impls.append(impl)
         signature = tuple(
-            (tuple(np.shape(x)), _dtype_name(x.dtype)) for x in prepared
+            _delta_signature(kind == "device" and impl is None, np.shape(x), x.dtype)
+            for x, kind, impl in zip(prepared, kinds, key_impls, strict=True)
         )
         ref = self._use_delta(item_dir, paths, signature, args.force_base)
         if jax.process_count() > 1:
@@ -723,7 +724,12 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         if self.reference_on_host:
             copies = [np.asarray(v) if v is not None else None for v in copies]
         signature = tuple(
-            (tuple(leaf["shape"]), leaf["dtype"]) for leaf in manifest["leaves"]
+            _delta_signature(
+                leaf["kind"] == "device" and not leaf.get("key_impl"),
+                leaf["shape"],
+                _dtype_of(leaf["dtype"], item_dir),
+            )
+            for leaf in manifest["leaves"]
         )
         self._reference = _Reference(
             item_dir=item_dir,
@@ -744,6 +750,17 @@ ocp.args.register_with_handler(LossyCheckpointHandler, for_restore=True)(LossyRe
 @jax.jit
 def _copy_tree(values):
     return [None if v is None else jnp.copy(v) for v in values]
+
+
+def _delta_signature(on_device: bool, shape: Any, dtype: Any) -> tuple | None:
+    """What must not change between a reference and the next save for a delta to be taken.
+
+    Only float device leaves can be delta-coded; the others are always stored whole, so a
+    step counter that turns from a Python int into a jax.Array does not force a new base.
+    """
+    if on_device and jnp.issubdtype(dtype, jnp.floating):
+        return (tuple(int(d) for d in shape), np.dtype(dtype).name)
+    return None
 
 
 def _check_coverage(leaf: dict[str, Any], directory: str) -> None:
@@ -779,9 +796,14 @@ def _cast_to_target(value: Any, target: Any, leaf: dict[str, Any]) -> Any:
     if kind == "bool":
         return bool(value)
     dtype = getattr(target, "dtype", None)
-    if target is not None and dtype is not None and kind == "device" and not leaf.get("key_impl"):
-        if np.dtype(dtype) != value.dtype:
-            return value.astype(dtype)
+    if (
+        target is not None
+        and dtype is not None
+        and kind == "device"
+        and not leaf.get("key_impl")
+        and np.dtype(dtype) != value.dtype
+    ):
+        return value.astype(dtype)
     if kind == "numpy" and isinstance(target, jax.Array | jax.ShapeDtypeStruct):
         return jax.device_put(value, _target_sharding(target))
     return value
