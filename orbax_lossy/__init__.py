@@ -1,6 +1,9 @@
 """orbax-lossy: lossy, delta-coded Orbax checkpoints for JAX/Flax training."""
 
+from orbax_lossy.adaptive import AdaptivePolicy
 from orbax_lossy.chain import ChainPreservationPolicy
+from orbax_lossy.codecs.bitmask import Bitmask
+from orbax_lossy.codecs.cluster import Cluster
 from orbax_lossy.codecs.exact import Exact
 from orbax_lossy.codecs.lc import LC
 from orbax_lossy.errors import (
@@ -21,9 +24,12 @@ from orbax_lossy.policy import LeafPolicy
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptivePolicy",
+    "Bitmask",
     "ChainError",
     "ChainPreservationPolicy",
     "ChecksumError",
+    "Cluster",
     "CodecError",
     "Exact",
     "FormatError",

@@ -1,0 +1,389 @@
+"""``AdaptivePolicy``: a per-leaf, per-save codec choice from measured statistics (BitSnap).
+
+On every delta save, one small jitted program (:func:`leaf_statistics`) reads all float leaves
+and their references once and returns, per leaf, a handful of global reductions:
+
+* ``finite``: value and reference are finite;
+* ``changed``: how many elements differ bitwise from the reference, and ``plane_nonzero[j]``:
+  how many bytes of plane ``j`` of ``value XOR reference`` are non-zero;
+* ``value_sq`` = ||value||^2, ``value_min``;
+* ``value_hist``: histogram of the values' (sign, exponent) buckets (entropy of exponents);
+* the LC bucket table of the delta (count, sum of squares, max and min magnitude per
+  (sign, exponent) bucket);
+* for each cluster candidate: the k-means centroids the codec would fit (same function, same
+  sample), the squared error and the symbol histogram on the strided sample.
+
+Statistics are global reductions computed by one SPMD program, so every process receives the
+same numbers; the rule below is a pure, deterministic function of them (numpy on the host, no
+randomness, fixed tie-break order), so every process makes the same plan.
+
+The rule, per float leaf (integer, bool and PRNG-key leaves are always exact; every leaf is
+exact on a base save; a leaf whose statistics are not finite is exact):
+
+1. Price every candidate in estimated bits per element and bound or estimate its relative
+   error ``||recon - value|| / ||value||`` (the handler's ``rel_error``):
+
+   * ``exact`` (:class:`~orbax_lossy.codecs.exact.Exact`): ``H(sign, exponent) + mantissa
+     bits``, error 0;
+   * ``bitmask`` (:class:`~orbax_lossy.codecs.bitmask.Bitmask`, exact): ``H2(p) + sum_j
+     (H2(q_j) + 8 q_j)`` with ``p`` the changed fraction and ``q_j`` the non-zero fraction of
+     XOR byte plane ``j``; error 0;
+   * ``lc`` (:class:`~orbax_lossy.codecs.lc.LC`, each ``bits`` in ``lc_bits``): the order-0
+     entropy of the symbols the promotion would produce (replayed on the bucket table) and a
+     guaranteed error bound: dropped buckets contribute their sum of squares, a kept bucket at
+     most ``count * ((max - min) / 2)**2``, times 2 for leaves narrower than float32 (rounding
+     of the reconstruction to the leaf dtype at most doubles the error);
+   * ``cluster`` (:class:`~orbax_lossy.codecs.cluster.Cluster`, each ``bits`` in
+     ``cluster_bits``; only for optimizer moments, ``domain="log"`` for ``second_moment``
+     leaves whose minimum is >= 0, linear otherwise): entropy and error measured on the
+     strided sample with the exact centroids the codec will use (an estimate, not a bound).
+
+2. A lossy candidate is admissible when its error is at most the role's budget
+   (``budgets``; a role without a budget, or with 0, is lossless only) and the leaf has at
+   least ``min_size`` elements.
+3. Let ``L`` be the cheaper lossless candidate (exact vs bitmask) and ``Y`` the cheapest
+   admissible lossy one. Pick ``L`` if it costs at most ``cheap_lossless_bits`` per element
+   (lossless is already cheap: BitSnap's sparse-update regime, no reason to lose anything)
+   or at most ``lossless_slack * cost(Y)``; otherwise pick ``Y``.
+   Ties go to the earlier candidate in the order exact, bitmask, lc (fewer bits first),
+   cluster (fewer bits first).
+
+This is stage-aware in BitSnap's sense without a schedule: early in training deltas are large
+(LC's bound exceeds the budget, every bf16 element changes) and moments are stored exactly or
+clustered; later most bf16 weights stop changing bitwise between saves (bitmask) and float32
+deltas shrink (LC). The realized error is recorded per leaf in the manifest (``rel_error``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orbax_lossy.codecs import cluster as cl
+from orbax_lossy.codecs.base import Codec
+from orbax_lossy.codecs.bitmask import Bitmask, as_words
+from orbax_lossy.codecs.cluster import Cluster
+from orbax_lossy.codecs.exact import Exact
+from orbax_lossy.codecs.lc import LC, exponent_buckets, work_dtype
+from orbax_lossy.errors import InvalidArgumentError
+from orbax_lossy.policy import ROLES, leaf_role
+from orbax_lossy.treepaths import StoredPath
+
+DEFAULT_BUDGETS: Mapping[str, float] = {
+    "param": 1e-3,
+    "first_moment": 1e-2,
+    "second_moment": 2e-2,
+    "optimizer": 0.0,
+}
+
+# Cluster candidate of one leaf for the statistics program: (bits, domain).
+ClusterTrial = tuple[int, str]
+
+
+# --------------------------------------------------------------------------- device statistics
+
+
+def _bucket_table(delta: jax.Array) -> dict[str, jax.Array]:
+    """LC bucket table of ``delta``: count, sum of squares, max and min magnitude per bucket."""
+    flat = delta.reshape(-1)
+    bucket, n_buckets = exponent_buckets(flat)
+    seg = jnp.where(bucket < 0, n_buckets, bucket)
+    mag = jnp.abs(flat)
+    n = n_buckets + 1
+    big = jnp.asarray(jnp.inf, mag.dtype)
+    return {
+        "count": jax.ops.segment_sum(jnp.ones_like(seg), seg, num_segments=n)[:-1],
+        "sumsq": jax.ops.segment_sum(jnp.square(mag), seg, num_segments=n)[:-1],
+        "max": jax.ops.segment_max(mag, seg, num_segments=n)[:-1],
+        "min": jax.ops.segment_min(jnp.where(bucket < 0, big, mag), seg, num_segments=n)[:-1],
+    }
+
+
+def _value_histogram(value: jax.Array) -> jax.Array:
+    """Counts of the (sign, exponent) buckets of ``value``, zeros in the last bin."""
+    bucket, n_buckets = exponent_buckets(value.reshape(-1))
+    seg = jnp.where(bucket < 0, n_buckets, bucket)
+    return jax.ops.segment_sum(jnp.ones_like(seg), seg, num_segments=n_buckets + 1)
+
+
+def _cluster_trial(
+    value: jax.Array, bits: int, domain: str, iters: int, sample: int
+) -> dict[str, jax.Array]:
+    """Sample squared error, sample value norm and symbol histogram of a Cluster fit."""
+    wd = work_dtype(value.dtype)
+    x = value.astype(wd)
+    t, usable = cl.coded_domain(x, domain)
+    centroids = cl.fit_centroids(t, usable, 2**bits - 1, iters, sample)
+    book = cl.codebook_values(centroids, domain, value.dtype, wd)
+    s_x = cl.strided_sample(x, sample)
+    s_t, s_ok = cl.coded_domain(s_x, domain)
+    sym = cl.symbols_of(s_t, s_ok, centroids)
+    recon = book[sym.astype(jnp.int32)].astype(value.dtype).astype(wd)
+    return {
+        "err_sq": jnp.sum(jnp.square(recon - s_x)),
+        "val_sq": jnp.sum(jnp.square(s_x)),
+        "hist": jnp.zeros((2**bits,), jnp.int32).at[sym.astype(jnp.int32)].add(1),
+    }
+
+
+@functools.partial(jax.jit, static_argnames=("trials", "iters", "sample"))
+def leaf_statistics(
+    values: Sequence[jax.Array],
+    references: Sequence[jax.Array],
+    *,
+    trials: tuple[tuple[ClusterTrial, ...], ...],
+    iters: int,
+    sample: int,
+) -> list[dict[str, Any]]:
+    """Statistics of every (float) leaf against its reference, in one compiled program."""
+    out = []
+    for value, ref, leaf_trials in zip(values, references, trials, strict=True):
+        ref = ref.astype(value.dtype)
+        wd = work_dtype(value.dtype)
+        v, r = value.astype(wd), ref.astype(wd)
+        finite = jnp.all(jnp.isfinite(v)) & jnp.all(jnp.isfinite(r))
+        delta = jnp.where(finite, v - r, 0)
+        xor = (as_words(value) ^ as_words(ref)).reshape(-1)
+        width = np.dtype(value.dtype).itemsize
+        planes = jnp.stack([
+            jnp.sum((((xor >> (8 * j)) & 0xFF) != 0).astype(jnp.int32)) for j in range(width)
+        ])
+        out.append({
+            "finite": finite,
+            "changed": jnp.sum((xor != 0).astype(jnp.int32)),
+            "plane_nonzero": planes,
+            "value_sq": jnp.sum(jnp.square(jnp.where(finite, v, 0))),
+            "value_min": jnp.min(jnp.where(finite, v, 0)),
+            "value_hist": _value_histogram(jnp.where(finite, v, 0)),
+            "lc": _bucket_table(delta),
+            "cluster": [
+                _cluster_trial(jnp.where(finite, value, 0), b, d, iters, sample)
+                for b, d in leaf_trials
+            ],
+        })
+    return out
+
+
+def _to_host(tree: Any) -> Any:
+    """Fetch replicated statistics (identical on every process) to numpy."""
+
+    def fetch(x: jax.Array) -> np.ndarray:
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        return np.asarray(x.addressable_data(0))
+
+    return jax.tree_util.tree_map(fetch, tree)
+
+
+# --------------------------------------------------------------------------- host rule
+
+
+def entropy_bits(counts: np.ndarray) -> float:
+    """Order-0 entropy in bits per symbol of a histogram."""
+    c = np.asarray(counts, np.float64)
+    c = c[c > 0]
+    total = c.sum()
+    if total <= 0:
+        return 0.0
+    p = c / total
+    return float(-(p * np.log2(p)).sum())
+
+
+def binary_entropy(p: float) -> float:
+    if p <= 0.0 or p >= 1.0:
+        return 0.0
+    return float(-p * math.log2(p) - (1 - p) * math.log2(1 - p))
+
+
+def lc_kept(counts: np.ndarray, bits: int) -> np.ndarray:
+    """Which (sign, exponent) buckets :func:`orbax_lossy.codecs.lc.promote` keeps (numpy)."""
+    n_symbols = 2**bits
+    present = (counts > 0).reshape(-1, 2)
+    per_exponent = present.sum(axis=1)
+    from_top = np.cumsum(per_exponent[::-1])[::-1]
+    keep = present & (from_top <= n_symbols - 1)[:, None]
+    if not keep.any() and present.any():
+        top = int(np.max(np.nonzero(per_exponent > 0)[0]))
+        c2 = counts.reshape(-1, 2)
+        keep[top, 1 if c2[top, 1] > c2[top, 0] else 0] = True
+    return keep.reshape(-1)
+
+
+def lc_estimate(table: Mapping[str, np.ndarray], n: int, bits: int) -> tuple[float, float]:
+    """``(bits per element, bound on ||error||^2)`` of ``LC(bits)`` from the bucket table."""
+    counts = np.asarray(table["count"], np.int64)
+    sumsq = np.asarray(table["sumsq"], np.float64)
+    width = np.asarray(table["max"], np.float64) - np.where(
+        counts > 0, np.asarray(table["min"], np.float64), 0
+    )
+    keep = lc_kept(counts, bits)
+    err_sq = float(sumsq[~keep].sum() + (counts[keep] * np.square(width[keep] / 2)).sum())
+    symbol_counts = np.append(counts[keep], n - counts[keep].sum())
+    return entropy_bits(symbol_counts), err_sq
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A priced codec: estimated bits per element and relative error."""
+
+    codec: Codec
+    bits_per_element: float
+    rel_error: float
+
+
+def candidates(
+    stats: Mapping[str, Any],
+    n: int,
+    dtype: np.dtype,
+    role: str,
+    lc_bits: Sequence[int],
+    trials: Sequence[ClusterTrial],
+    iters: int,
+    sample: int,
+) -> list[Candidate]:
+    """Every candidate codec of one leaf, priced (see the module docstring), in tie order."""
+    itemsize = np.dtype(dtype).itemsize
+    mantissa = int(jnp.finfo(dtype).nmant)
+    exact_bits = min(8.0 * itemsize, entropy_bits(stats["value_hist"]) + mantissa)
+    p = float(stats["changed"]) / n
+    q = np.asarray(stats["plane_nonzero"], np.float64) / n
+    bitmask_bits = binary_entropy(p) + sum(binary_entropy(float(x)) + 8 * float(x) for x in q)
+    out = [Candidate(Exact(), exact_bits, 0.0), Candidate(Bitmask(), bitmask_bits, 0.0)]
+    norm = math.sqrt(max(float(stats["value_sq"]), 0.0))
+    factor = 2.0 if itemsize < 4 else 1.0
+    for b in sorted(lc_bits):
+        bpe, err_sq = lc_estimate(stats["lc"], n, b)
+        rel = factor * math.sqrt(err_sq) / norm if norm > 0 else (0.0 if err_sq == 0 else math.inf)
+        out.append(Candidate(LC(bits=b), bpe, rel))
+    for (b, domain), trial in sorted(zip(trials, stats["cluster"], strict=True),
+                                     key=lambda t: t[0][0]):
+        val_sq = float(trial["val_sq"])
+        err = math.sqrt(max(float(trial["err_sq"]), 0.0))
+        rel = err / math.sqrt(val_sq) if val_sq > 0 else (0.0 if err == 0 else math.inf)
+        codec = Cluster(bits=b, domain=domain, iters=iters, sample=sample)
+        out.append(Candidate(codec, entropy_bits(trial["hist"]), rel))
+    return out
+
+
+def choose(
+    cands: Sequence[Candidate], budget: float, lossy_ok: bool, slack: float, cheap_bits: float
+) -> Codec:
+    """The rule of the module docstring, steps 2 and 3."""
+    lossless = min(
+        (c for c in cands if isinstance(c.codec, (Exact, Bitmask))),
+        key=lambda c: c.bits_per_element,
+    )
+    admissible = [
+        c for c in cands
+        if isinstance(c.codec, (LC, Cluster)) and lossy_ok and c.rel_error <= budget
+    ] if budget > 0 else []
+    if not admissible or lossless.bits_per_element <= cheap_bits:
+        return lossless.codec
+    lossy = min(admissible, key=lambda c: c.bits_per_element)
+    if lossless.bits_per_element <= slack * lossy.bits_per_element:
+        return lossless.codec
+    return lossy.codec
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptivePolicy:
+    """Stage-aware per-leaf codec choice under a per-role relative error budget.
+
+    Args:
+      budgets: ``(role, max relative error)`` pairs; roles absent or at 0 are lossless only.
+      lc_bits: LC alphabet sizes to consider.
+      cluster_bits: Cluster alphabet sizes to consider for optimizer moments.
+      lossless_slack: prefer a lossless codec unless it costs more than this factor times
+        the best admissible lossy codec.
+      cheap_lossless_bits: a lossless codec costing at most this many bits per element is
+        always preferred (1 bit = 1/16 of bfloat16).
+      min_size: leaves with fewer elements are stored losslessly.
+      iters, sample: k-means parameters of the Cluster candidates.
+    """
+
+    budgets: tuple[tuple[str, float], ...] = tuple(DEFAULT_BUDGETS.items())
+    lc_bits: tuple[int, ...] = (2, 3, 4, 6, 8)
+    cluster_bits: tuple[int, ...] = (4, 6, 8)
+    lossless_slack: float = 1.25
+    cheap_lossless_bits: float = 1.0
+    min_size: int = 1024
+    iters: int = 16
+    sample: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        for role, budget in self.budgets:
+            if role not in ROLES:
+                raise InvalidArgumentError(f"unknown role {role!r} in budgets; roles: {ROLES}")
+            if not isinstance(budget, (int, float)) or budget < 0:
+                raise InvalidArgumentError(f"budget of {role!r} must be >= 0, got {budget!r}")
+        for b in (*self.lc_bits, *self.cluster_bits):
+            if not isinstance(b, int) or not 1 <= b <= 8:
+                raise InvalidArgumentError(f"candidate bits must be ints in 1..8, got {b!r}")
+        if self.lossless_slack < 1:
+            raise InvalidArgumentError(f"lossless_slack must be >= 1, got {self.lossless_slack}")
+
+    @classmethod
+    def create(cls, budgets: Mapping[str, float] | None = None, **kwargs: Any) -> AdaptivePolicy:
+        merged = dict(DEFAULT_BUDGETS)
+        merged.update(budgets or {})
+        return cls(budgets=tuple(merged.items()), **kwargs)
+
+    def _trials(self, role: str) -> tuple[ClusterTrial, ...]:
+        if role == "second_moment":
+            return tuple((b, "log") for b in self.cluster_bits)
+        if role in ("first_moment", "optimizer"):
+            return tuple((b, "linear") for b in self.cluster_bits)
+        return ()
+
+    def statistics(
+        self, values: Sequence[jax.Array], references: Sequence[jax.Array], roles: Sequence[str]
+    ) -> list[dict[str, Any]]:
+        """Run :func:`leaf_statistics` for float leaves; numpy results, one dict per leaf."""
+        trials = tuple(self._trials(r) for r in roles)
+        stats = leaf_statistics(
+            list(values), list(references), trials=trials, iters=self.iters, sample=self.sample
+        )
+        return _to_host(stats)
+
+    def plan(
+        self,
+        paths: Sequence[StoredPath],
+        values: Sequence[jax.Array],
+        references: Sequence[jax.Array | None],
+        is_base: bool,
+    ) -> list[Codec]:
+        """Codec of every device leaf for one save (see the module docstring for the rule)."""
+        plan: list[Codec] = [Exact() for _ in values]
+        if is_base:
+            return plan
+        budgets = dict(self.budgets)
+        idx = [
+            i for i, (path, v, r) in enumerate(zip(paths, values, references, strict=True))
+            if r is not None and jnp.issubdtype(v.dtype, jnp.floating)
+            and leaf_role(path, v.dtype) not in ("integer", "rng")
+            and tuple(r.shape) == tuple(v.shape)
+        ]
+        if not idx:
+            return plan
+        roles = [leaf_role(paths[i], values[i].dtype) for i in idx]
+        stats = self.statistics([values[i] for i in idx], [references[i] for i in idx], roles)
+        for i, role, st in zip(idx, roles, stats, strict=True):
+            if not bool(st["finite"]):
+                continue
+            n = math.prod(values[i].shape)
+            trials = self._trials(role)
+            if role == "second_moment" and float(st["value_min"]) < 0:
+                trials = ()
+                st = {**st, "cluster": []}
+            cands = candidates(st, n, np.dtype(values[i].dtype), role, self.lc_bits,
+                               trials, self.iters, self.sample)
+            plan[i] = choose(cands, float(budgets.get(role, 0.0)), n >= self.min_size,
+                             self.lossless_slack, self.cheap_lossless_bits)
+        return plan

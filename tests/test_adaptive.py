@@ -1,0 +1,189 @@
+"""AdaptivePolicy and optimizer moments: LC on Adam deltas, the choice rule, end to end."""
+
+from __future__ import annotations
+
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import orbax_lossy as ol
+from orbax_lossy import program
+from orbax_lossy.adaptive import AdaptivePolicy, lc_estimate, leaf_statistics
+from orbax_lossy.codecs.bitmask import Bitmask
+from orbax_lossy.codecs.cluster import Cluster
+from orbax_lossy.codecs.exact import Exact
+from orbax_lossy.codecs.lc import LC
+from orbax_lossy.handler import read_manifest
+from orbax_lossy.treepaths import flatten, path_str
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(192)(x))
+        return nn.Dense(8)(x)
+
+
+def trainer(lr: float = 1e-4):
+    model, tx = MLP(), optax.adamw(lr)
+    xs = jax.random.normal(jax.random.key(1), (64, 32))
+    ys = jax.random.normal(jax.random.key(2), (64, 8))
+
+    @jax.jit
+    def step(params, opt_state):
+        grads = jax.grad(lambda p: jnp.mean((model.apply(p, xs) - ys) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = model.init(jax.random.key(0), xs)
+    return params, tx.init(params), step
+
+
+def train(params, opt_state, step, n: int):
+    for _ in range(n):
+        params, opt_state = step(params, opt_state)
+    return params, opt_state
+
+
+def make_state(params, opt_state, t: int) -> dict:
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    frozen = jax.random.normal(jax.random.key(7), (64, 64), jnp.bfloat16)  # a frozen table
+    return {"params": params, "bf16": bf16, "frozen": frozen, "opt_state": opt_state,
+            "step": jnp.int32(t)}
+
+
+# --------------------------------------------------------------------------- moments via LC
+
+
+def test_lc_on_adam_moment_deltas_is_bounded_and_nu_stays_finite():
+    params, opt_state, step = trainer(1e-3)
+    params, opt_state = train(params, opt_state, step, 5)
+    ref = opt_state[0]
+    _, opt_state = train(params, opt_state, step, 3)
+    new = opt_state[0]
+    names = ["mu"] * len(jax.tree.leaves(ref.mu)) + ["nu"] * len(jax.tree.leaves(ref.nu))
+    refs = jax.tree.leaves(ref.mu) + jax.tree.leaves(ref.nu)
+    vals = jax.tree.leaves(new.mu) + jax.tree.leaves(new.nu)
+    plan = (LC(bits=4),) * len(vals)
+    none = (None,) * len(vals)
+    out = program.encode_tree(vals, refs, plan=plan, shardings=none)
+    dec = program.decode_tree([o["fields"] for o in out], [o["side"] for o in out], refs,
+                              plan=plan, dtypes=tuple(v.dtype for v in vals), shardings=none)
+    for name, r, v, o, got in zip(names, refs, vals, out, dec, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(o["recon"]))
+        d, got = np.asarray(v) - np.asarray(r), np.asarray(got)
+        assert np.all(np.isfinite(got))
+        # each kept element within 50% of its delta, dropped ones smaller than kept buckets
+        assert np.linalg.norm(got - np.asarray(v)) <= 0.5 * np.linalg.norm(d) + 1e-12
+        if name == "nu":
+            assert np.all(got >= 0)
+
+# --------------------------------------------------------------------------- the rule
+
+
+def synthetic_leaves():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((128, 128)).astype(np.float32) * 0.05
+    bf_ref = jnp.asarray(w, jnp.bfloat16)
+    flip = rng.random(w.shape) < 0.01
+    bf_new = jnp.where(flip, (bf_ref.astype(jnp.float32) * 1.02).astype(jnp.bfloat16), bf_ref)
+    f_ref = jnp.asarray(w)
+    f_new = f_ref + jnp.asarray(rng.standard_normal(w.shape) * 1e-5, jnp.float32)
+    nu_ref = jnp.asarray(np.exp(rng.normal(-12, 1, w.shape)), jnp.float32)
+    nu_new = nu_ref * 0.999 + 1e-3 * jnp.asarray(np.exp(rng.normal(-12, 1, w.shape)), jnp.float32)
+    paths = [
+        (("key", "params"), ("key", "bf")),
+        (("key", "params"), ("key", "w")),
+        (("key", "opt_state"), ("key", "nu"), ("key", "w")),
+        (("key", "params"), ("key", "tiny")),
+        (("key", "step"),),
+    ]
+    values = [bf_new, f_new, nu_new, f_new[0, :8], jnp.int32(3)]
+    refs = [bf_ref, f_ref, nu_ref, f_ref[0, :8], jnp.int32(2)]
+    return paths, values, refs
+
+
+def test_rule_picks_bitmask_lc_and_exact_where_expected():
+    paths, values, refs = synthetic_leaves()
+    policy = AdaptivePolicy()
+    plan = policy.plan(paths, values, refs, is_base=False)
+    assert plan[0] == Bitmask()  # 1% of bf16 elements changed
+    assert isinstance(plan[1], LC)  # tiny float32 delta: LC within the 1e-3 budget
+    assert isinstance(plan[2], (LC, Cluster))
+    assert plan[3] == Exact() or plan[3] == Bitmask()  # below min_size: lossless
+    assert plan[4] == Exact()
+    assert policy.plan(paths, values, refs, is_base=False) == plan  # deterministic
+    assert all(c == Exact() for c in policy.plan(paths, values, [None] * 5, is_base=True))
+    lossless = AdaptivePolicy.create({"param": 0.0, "second_moment": 0.0})
+    assert all(isinstance(c, (Exact, Bitmask))
+               for c in lossless.plan(paths, values, refs, is_base=False))
+    bad = list(values)
+    bad[1] = bad[1].at[0, 0].set(jnp.nan)
+    assert policy.plan(paths, bad, refs, is_base=False)[1] == Exact()
+
+
+def test_lc_bound_holds_on_the_real_encoding():
+    rng = np.random.default_rng(5)
+    ref = jnp.asarray(rng.standard_normal(5000), jnp.float32)
+    value = ref + jnp.asarray(rng.standard_normal(5000) * 1e-3, jnp.float32)
+    stats = jax.device_get(leaf_statistics([value], [ref], trials=((),), iters=4, sample=256))[0]
+    for bits in (1, 2, 3, 5, 8):
+        _, bound_sq = lc_estimate(stats["lc"], 5000, bits)
+        err = np.linalg.norm(np.asarray(LC(bits=bits).device_encode(value, ref).recon - value))
+        assert err <= np.sqrt(bound_sq) * (1 + 1e-5) + 1e-12, bits
+
+
+def test_bad_policy_parameters():
+    with pytest.raises(ol.InvalidArgumentError):
+        AdaptivePolicy.create({"weights": 0.1})
+    with pytest.raises(ol.InvalidArgumentError):
+        AdaptivePolicy(lc_bits=(0,))
+    with pytest.raises(ol.InvalidArgumentError):
+        AdaptivePolicy(lossless_slack=0.5)
+    assert hash(AdaptivePolicy()) == hash(AdaptivePolicy())
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_adamw_flax_state_through_the_manager(tmp_path, assert_bitwise):
+    policy = AdaptivePolicy.create({"first_moment": 0.05, "second_moment": 0.05},
+                                   cluster_bits=(8,), lc_bits=(2, 4))
+    handler = ol.LossyCheckpointHandler(policy, base_interval=10)
+    mngr = ol.checkpoint_manager(tmp_path, handler=handler, max_to_keep=None)
+    params, opt_state, step = trainer()
+    held, states = {}, {}
+    for t in range(3):
+        params, opt_state = train(params, opt_state, step, 2)
+        states[t] = make_state(params, opt_state, t)
+        assert mngr.save(t, args=ol.LossySave(states[t]))
+        held[t] = [None if v is None else np.array(v) for v in handler._reference.values]
+    mngr.wait_until_finished()
+
+    budgets = dict(policy.budgets)
+    seen = set()
+    for t in range(3):
+        manifest = read_manifest(os.path.join(tmp_path, str(t), "default"))
+        codecs = {path_str(tuple(map(tuple, leaf["path"]))): leaf["codec"]["id"]
+                  for leaf in manifest["leaves"]}
+        seen |= set(codecs.values())
+        if t == 0:
+            assert set(codecs.values()) == {"exact"}
+        assert codecs["step"] == "exact"
+        if t > 0:
+            assert codecs["frozen"] == "bitmask"
+        for leaf in manifest["leaves"]:
+            if leaf["codec"]["id"] == "lc":
+                assert leaf["rel_error"] <= budgets[leaf["role"]] * (1 + 1e-5)
+        restored = mngr.restore(t, args=ol.LossyRestore(states[t]))
+        _, leaves, _ = flatten(restored)
+        for i, (got, exp) in enumerate(zip(leaves, held[t], strict=True)):
+            if exp is not None:
+                assert_bitwise(got, exp, f"step {t} leaf {i}")
+    assert "bitmask" in seen and "lc" in seen
+    mngr.close()

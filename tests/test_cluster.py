@@ -1,0 +1,127 @@
+"""Cluster (k-means) codec: codebook decode, log domain for Adam nu, determinism, bounds."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from orbax_lossy import program
+from orbax_lossy.codecs.base import codec_config, codec_from_config
+from orbax_lossy.codecs.cluster import Cluster
+from orbax_lossy.errors import CodecError
+
+
+def adam_nu(shape=(256, 384), steps: int = 30, seed: int = 0) -> np.ndarray:
+    """A realistic second moment: EMA of squared gradients with per-row scales, some zeros."""
+    rng = np.random.default_rng(seed)
+    scale = np.exp(rng.normal(-5, 1.0, (shape[0], 1)))
+    nu = np.zeros(shape)
+    for _ in range(steps):
+        g = rng.standard_normal(shape) * scale * np.exp(rng.normal(0, 0.3, shape))
+        nu = 0.999 * nu + 0.001 * g**2
+    nu[:2, :7] = 0.0  # e.g. embedding rows never touched yet
+    return nu.astype(np.float32)
+
+
+def round_trip(codec, value, reference=None, dtype=None):
+    dtype = dtype or value.dtype
+    enc = jax.jit(codec.device_encode)(value, reference)
+    sym = np.asarray(enc.fields["sym"])
+    data = codec.host_encode("sym", sym)
+    back = codec.host_decode("sym", data, sym.shape, np.dtype(np.uint8))
+    np.testing.assert_array_equal(back, sym)
+    decoded = codec.device_decode({"sym": jnp.asarray(back)}, enc.side, reference, dtype)
+    return enc, decoded, len(data)
+
+
+def test_log_domain_nu_decodes_to_centroids_positive_and_bounded(assert_bitwise):
+    nu = adam_nu()
+    codec = Cluster(bits=8, domain="log")
+    enc, decoded, nbytes = round_trip(codec, jnp.asarray(nu))
+    assert_bitwise(decoded, enc.recon, "decode == recon")
+    r = np.asarray(decoded)
+    book = np.asarray(enc.side["codebook"])
+    assert book.shape == (256,) and book[0] == 0
+    assert np.all(np.isin(r, book.astype(np.float32)))  # every decoded value is a centroid
+    zero = nu == 0
+    assert np.all(r[zero] == 0) and np.all(r[~zero] > 0) and np.all(np.isfinite(r))
+    # each element goes to its nearest centroid in the log domain
+    logs = np.log(book[1:].astype(np.float64))
+    lv = np.log(nu[~zero].astype(np.float64))
+    best = np.min(np.abs(lv[:, None] - logs[None, :]), axis=1)
+    assert np.all(np.abs(np.log(r[~zero]) - lv) <= best + 1e-5)
+    rel = np.abs(r[~zero] - nu[~zero]) / nu[~zero]
+    assert rel.mean() < 0.02 and rel.max() < 0.15
+    assert np.linalg.norm(r - nu) / np.linalg.norm(nu) < 0.05
+    assert nbytes < 0.3 * nu.nbytes
+
+
+@pytest.mark.parametrize("bits,mean_bound", [(4, 0.35), (6, 0.08)])
+def test_fewer_bits_larger_but_bounded_error(bits, mean_bound):
+    nu = adam_nu(seed=1)
+    _, decoded, _ = round_trip(Cluster(bits=bits, domain="log"), jnp.asarray(nu))
+    r, nz = np.asarray(decoded), nu > 0
+    assert np.all(r[nz] > 0)
+    assert (np.abs(r[nz] - nu[nz]) / nu[nz]).mean() < mean_bound
+
+
+def test_deterministic_across_runs_and_programs(assert_bitwise):
+    nu = jnp.asarray(adam_nu(seed=2))
+    codec = Cluster(bits=6, domain="log", sample=4096)  # subsampled fit
+    a = jax.jit(codec.device_encode)(nu, None)
+    b = codec.device_encode(nu, None)
+    c = program.encode_tree([nu], [nu], plan=(codec,), shardings=(None,))[0]
+    for other in (b, c):
+        recon = other.recon if hasattr(other, "recon") else other["recon"]
+        side = other.side if hasattr(other, "side") else other["side"]
+        assert_bitwise(recon, a.recon, "recon")
+        assert_bitwise(side["codebook"], a.side["codebook"], "codebook")
+
+
+def test_bf16_nu_is_clamped_strictly_positive(assert_bitwise):
+    nu = adam_nu((64, 64), seed=3)
+    nu[5, :10] = 1e-44  # below bf16's smallest normal
+    value = jnp.asarray(nu, jnp.bfloat16)
+    enc, decoded, _ = round_trip(Cluster(bits=4, domain="log"), value)
+    r = np.asarray(decoded.astype(jnp.float32))
+    nz = np.asarray(value.astype(jnp.float32)) > 0
+    assert decoded.dtype == jnp.bfloat16
+    assert np.all(r[nz] >= float(jnp.finfo(jnp.bfloat16).tiny)) and np.all(r[~nz] == 0)
+    assert_bitwise(decoded, enc.recon, "decode == recon")
+
+
+def test_linear_direct_and_delta_modes(assert_bitwise):
+    rng = np.random.default_rng(4)
+    mu = jnp.asarray(rng.standard_normal((128, 96)) * 1e-3, jnp.float32)
+    _, decoded, _ = round_trip(Cluster(bits=8), mu)
+    m = np.asarray(mu)
+    assert np.linalg.norm(np.asarray(decoded) - m) / np.linalg.norm(m) < 0.02
+    ref = mu
+    new = mu.at[:, ::3].add(jnp.asarray(rng.standard_normal((128, 32)) * 1e-4, jnp.float32))
+    enc, decoded, _ = round_trip(Cluster(bits=6, mode="delta"), new, ref)
+    assert_bitwise(decoded, enc.recon, "delta decode")
+    unchanged = np.asarray(new) == np.asarray(ref)
+    assert_bitwise(np.asarray(decoded)[unchanged], np.asarray(ref)[unchanged], "unchanged")
+    d = np.asarray(new) - m
+    assert np.linalg.norm(np.asarray(decoded) - np.asarray(new)) < 0.1 * np.linalg.norm(d)
+
+
+def test_degenerate_leaves():
+    for value in (jnp.zeros((10, 3)), jnp.full((7,), 2.5), jnp.zeros((0,))):
+        _, decoded, _ = round_trip(Cluster(bits=3, domain="log"), value)
+        np.testing.assert_array_equal(np.asarray(decoded), np.asarray(value))
+
+
+def test_config_and_bad_parameters():
+    for codec in (Cluster(), Cluster(bits=4, domain="log", iters=3, sample=512)):
+        assert codec_from_config(codec_config(codec)) == codec
+        assert Cluster.needs_reference
+    for kwargs in ({"bits": 0}, {"bits": 9}, {"domain": "sqrt"}, {"mode": "x"},
+                   {"domain": "log", "mode": "delta"}, {"sample": 4}):
+        with pytest.raises(CodecError):
+            Cluster(**kwargs)
+    with pytest.raises(CodecError):
+        Cluster(bits=2).host_decode("sym", Cluster().host_encode("sym", np.full(4, 9, np.uint8)),
+                                    (4,), np.dtype(np.uint8))
