@@ -20,6 +20,7 @@ from orbax_lossy.errors import (
 from orbax_lossy.handler import LossyCheckpointHandler, LossyRestore, LossySave
 from orbax_lossy.manager import checkpoint_manager
 from orbax_lossy.policy import LeafPolicy
+from orbax_lossy.stats import checkpoint_stats
 
 __version__ = "0.1.0"
 
@@ -44,4 +45,5 @@ __all__ = [
     "TruncatedError",
     "UnsupportedVersionError",
     "checkpoint_manager",
+    "checkpoint_stats",
 ]

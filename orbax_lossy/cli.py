@@ -8,50 +8,11 @@
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
-
-import numpy as np
 
 from orbax_lossy import format as fmt
 from orbax_lossy.errors import LossyError
-
-
-def _leaf_rows(item_dir: str) -> list[dict]:
-    from orbax_lossy.handler import read_manifest
-    from orbax_lossy.treepaths import path_str
-
-    manifest = read_manifest(item_dir)
-    rows = []
-    for leaf in manifest["leaves"]:
-        raw = math.prod(leaf["shape"]) * np.dtype(_np_dtype(leaf["dtype"])).itemsize
-        stored = sum(p["length"] for p in leaf.get("pieces", []))
-        rows.append(
-            {
-                "path": path_str(tuple(tuple(p) for p in leaf["path"])),
-                "shape": tuple(leaf["shape"]),
-                "dtype": leaf["dtype"],
-                "codec": leaf["codec"],
-                "raw_bytes": raw,
-                "stored_bytes": stored,
-                "ratio": raw / stored if stored else math.inf,
-                "rel_error": leaf.get("rel_error", 0.0),
-                "role": leaf.get("role"),
-            }
-        )
-    return rows
-
-
-def _np_dtype(name: str):
-    import jax.numpy as jnp
-
-    return jnp.dtype(name)
-
-
-def checkpoint_stats(item_dir: str | os.PathLike) -> list[dict]:
-    """Per-leaf statistics of one saved item: codec, raw/stored bytes, ratio, rel. error."""
-    return _leaf_rows(os.fspath(item_dir))
+from orbax_lossy.stats import checkpoint_stats
 
 
 def _inspect(item_dir: str) -> int:
@@ -61,7 +22,7 @@ def _inspect(item_dir: str) -> int:
     print("chain (base first):")
     for link, manifest in chain:
         print(f"  step {manifest.get('step')}: {manifest['kind']} ({link})")
-    rows = _leaf_rows(item_dir)
+    rows = checkpoint_stats(item_dir)
     width = max(len(r["path"]) for r in rows)
     print(f"{'leaf':<{width}} {'codec':<22} {'raw B':>10} {'stored B':>10} {'ratio':>8} "
           f"{'rel err':>9}")

@@ -41,7 +41,7 @@ from orbax_lossy.errors import (
     LossyError,
     MissingStepError,
 )
-from orbax_lossy.policy import LeafPolicy, leaf_role
+from orbax_lossy.policy import LeafPolicy, Policy, leaf_role
 from orbax_lossy.treepaths import StoredPath, build_nested, flatten, path_str
 
 TYPESTR = "orbax_lossy.LossyCheckpointHandler"
@@ -208,7 +208,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def __init__(
         self,
-        policy: LeafPolicy | None = None,
+        policy: Policy | None = None,
         *,
         base_interval: int = 10,
         chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,

@@ -9,14 +9,14 @@ import orbax.checkpoint as ocp
 
 from orbax_lossy.chain import ChainPreservationPolicy
 from orbax_lossy.handler import LossyCheckpointHandler, LossyRestore, LossySave
-from orbax_lossy.policy import LeafPolicy
+from orbax_lossy.policy import Policy
 
 
 def checkpoint_manager(
     directory: str | os.PathLike,
     *,
     handler: LossyCheckpointHandler | None = None,
-    policy: LeafPolicy | None = None,
+    policy: Policy | None = None,
     base_interval: int = 10,
     max_to_keep: int | None = 3,
     preservation_policy: Any = None,

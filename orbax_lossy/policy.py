@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,18 @@ def leaf_role(path: StoredPath, dtype: np.dtype | jnp.dtype) -> str:
     if in_optimizer:
         return "optimizer"
     return "param"
+
+
+class Policy(Protocol):
+    """What the handler needs from a policy: one codec per device leaf, per save."""
+
+    def plan(
+        self,
+        paths: Sequence[StoredPath],
+        values: Sequence[jax.Array],
+        references: Sequence[jax.Array | None],
+        is_base: bool,
+    ) -> list[Codec]: ...
 
 
 DEFAULT_ROLE_CODECS: Mapping[str, Codec] = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -76,9 +77,9 @@ def test_every_piece_is_checksummed_on_read(tmp_path) -> None:
     pieces = [p for leaf in manifest["leaves"] for p in leaf["pieces"]]
     assert len(pieces) > 3  # small chunks: several pieces
     path = os.path.join(item, pieces[0]["file"])
-    raw = bytearray(open(path, "rb").read())
+    raw = bytearray(pathlib.Path(path).read_bytes())
     raw[pieces[0]["offset"]] ^= 0x40
-    open(path, "wb").write(bytes(raw))
+    pathlib.Path(path).write_bytes(bytes(raw))
     fresh = ol.checkpoint_manager(tmp_path)
     with pytest.raises(ol.ChecksumError, match="checksum mismatch"):
         fresh.restore(1)
@@ -87,9 +88,9 @@ def test_every_piece_is_checksummed_on_read(tmp_path) -> None:
 def test_corrupted_base_is_detected_through_the_delta(tmp_path) -> None:
     _save_two(tmp_path)
     base = os.path.join(tmp_path, "0", "default", fmt.data_file_name(0))
-    raw = bytearray(open(base, "rb").read())
+    raw = bytearray(pathlib.Path(base).read_bytes())
     raw[len(raw) // 2] ^= 0xFF
-    open(base, "wb").write(bytes(raw))
+    pathlib.Path(base).write_bytes(bytes(raw))
     with pytest.raises(ol.ChecksumError, match=r"0/default"):
         ol.checkpoint_manager(tmp_path).restore(1)
 
@@ -107,8 +108,8 @@ def test_truncated_payload(tmp_path) -> None:
 def test_corrupted_and_truncated_manifest(tmp_path) -> None:
     _save_two(tmp_path)
     path = os.path.join(tmp_path, "1", "default", fmt.MANIFEST_NAME)
-    raw = open(path, "rb").read()
-    open(path, "wb").write(raw[: len(raw) // 2])
+    raw = pathlib.Path(path).read_bytes()
+    pathlib.Path(path).write_bytes(raw[: len(raw) // 2])
     with pytest.raises(ol.FormatError, match="manifest.msgpack"):
         ol.checkpoint_manager(tmp_path).restore(1)
 
@@ -160,7 +161,7 @@ def test_no_pickle_in_the_item_directory(tmp_path) -> None:
         ["commit_success.txt", fmt.MANIFEST_NAME, fmt.data_file_name(0)]
     ) or sorted(os.listdir(item)) == sorted([fmt.MANIFEST_NAME, fmt.data_file_name(0)])
     # the manifest is plain msgpack (no pickle opcodes: protocol 2+ starts with 0x80)
-    raw = open(os.path.join(item, fmt.MANIFEST_NAME), "rb").read()
+    raw = pathlib.Path(item, fmt.MANIFEST_NAME).read_bytes()
     assert raw[0] != 0x80 and msgpack.unpackb(raw)["magic"] == "orbax-lossy"
 
 
@@ -185,3 +186,15 @@ def test_bare_checkpointer_round_trip(tmp_path) -> None:
     ckptr.save(tmp_path / "a", args=ol.LossySave(value))
     restored = ckptr.restore(tmp_path / "a", args=ol.LossyRestore())
     jax.tree.map(np.testing.assert_array_equal, restored, value)
+
+
+def test_checkpoint_stats_reads_back_per_leaf_statistics(tmp_path) -> None:
+    _save_two(tmp_path)
+    rows = {r["path"]: r for r in ol.checkpoint_stats(tmp_path / "1" / "default")}
+    assert set(rows) == {"w", "b", "n"}
+    w = rows["w"]
+    assert w["codec"]["id"] == "lc" and w["role"] == "param"
+    assert w["raw_bytes"] == 64 * 64 * 4 and 0 < w["stored_bytes"] < w["raw_bytes"]
+    assert w["ratio"] == w["raw_bytes"] / w["stored_bytes"]
+    assert 0 < w["rel_error"] < 0.5
+    assert rows["n"]["codec"] == {"id": "exact"} and rows["n"]["rel_error"] == 0.0
