@@ -177,7 +177,11 @@ def main() -> None:
                 **{f"{s}/{k}": v for s, d in expected.items() for k, v in d.items()},
             )
         multihost_utils.sync_global_devices("expected_written")
-        # Step 3 is in flight when rank 1 dies.
+        # Step 3 is in flight when rank 1 dies: it dies inside its background write, before
+        # its payload and index exist, so the step can never be committed (dying right after
+        # save() returns would race with a fast background write).
+        if RANK == 1:
+            handler._write_files = lambda *args, **kwargs: os._exit(17)
         mngr.save(3, args=orbax_lossy.LossySave(make_state(3, save_sh)))
         if RANK == 1:
             print("rank 1 dying with save 3 in flight", flush=True)
