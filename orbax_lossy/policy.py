@@ -2,10 +2,10 @@
 
 Every leaf gets a *role* from its key path and dtype:
 
-* ``rng`` - a typed PRNG key array; ``integer`` - integer or bool leaves (step counters,
-  token counts); these are always stored exactly;
-* ``second_moment`` - Adam/AdamW ``nu``; ``first_moment`` - Adam ``mu``, SGD momentum
-  ``trace``; ``optimizer`` - any other float leaf under an optimizer state;
+* ``rng`` - a typed PRNG key array; ``integer`` - integer, bool and complex leaves (step
+  counters, token counts); these are always stored exactly;
+* ``second_moment`` - Adam/AdamW ``nu`` (or ``v`` under an optimizer state);
+  ``first_moment`` - Adam ``mu``, SGD momentum ``trace`` (or ``m`` under an optimizer state); ``optimizer`` - any other float leaf under an optimizer state;
 * ``param`` - every other floating-point leaf.
 
 Rules are ``(selector, codec)`` pairs tried in order; a selector is either ``"role:<name>"``
@@ -41,12 +41,12 @@ def leaf_role(path: StoredPath, dtype: np.dtype | jnp.dtype) -> str:
     """Role of a leaf from its key path and dtype (see module docstring)."""
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         return "rng"
-    if not jnp.issubdtype(dtype, jnp.inexact):
+    if not jnp.issubdtype(dtype, jnp.floating):  # integers, bool, complex: stored exactly
         return "integer"
     keys = [str(k) for _, k in path]
-    if any(k in _SECOND_MOMENT_KEYS for k in keys):
-        return "second_moment"
     in_optimizer = any(k in _OPTIMIZER_KEYS for k in keys)
+    if "nu" in keys or (in_optimizer and any(k in _SECOND_MOMENT_KEYS for k in keys)):
+        return "second_moment"
     if any(k in ("mu", "trace", "momentum") for k in keys) or (
         in_optimizer and any(k in _FIRST_MOMENT_KEYS for k in keys)
     ):

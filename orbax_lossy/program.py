@@ -27,7 +27,7 @@ def _constrain(x: jax.Array, sharding: jax.sharding.Sharding | None) -> jax.Arra
 
 
 def _relative_error(value: jax.Array, recon: jax.Array) -> jax.Array:
-    if not jnp.issubdtype(value.dtype, jnp.inexact):
+    if not jnp.issubdtype(value.dtype, jnp.floating):
         return jnp.zeros((), jnp.float32)
     v = value.astype(jnp.float32)
     err = jnp.sqrt(jnp.sum(jnp.square(recon.astype(jnp.float32) - v)))
