@@ -5,7 +5,8 @@ Every leaf gets a *role* from its key path and dtype:
 * ``rng`` - a typed PRNG key array; ``integer`` - integer, bool and complex leaves (step
   counters, token counts); these are always stored exactly;
 * ``second_moment`` - Adam/AdamW ``nu`` (or ``v`` under an optimizer state);
-  ``first_moment`` - Adam ``mu``, SGD momentum ``trace`` (or ``m`` under an optimizer state); ``optimizer`` - any other float leaf under an optimizer state;
+  ``first_moment`` - Adam ``mu``, SGD momentum ``trace`` (or ``m`` under an optimizer
+  state); ``optimizer`` - any other float leaf under an optimizer state;
 * ``param`` - every other floating-point leaf.
 
 Rules are ``(selector, codec)`` pairs tried in order; a selector is either ``"role:<name>"``
