@@ -458,7 +458,9 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         jobs: list[_LeafJob],
         header: dict[str, Any] | None,
     ) -> None:
-        await asyncio.to_thread(self._write_files, os.fspath(directory), process, jobs, header)
+        # This coroutine already runs on Orbax's commit thread (its own event loop), after the
+        # directory exists; the work itself releases the GIL (numba kernels, zlib, file I/O).
+        self._write_files(os.fspath(directory), process, jobs, header)
 
     def _write_files(
         self, directory: str, process: int, jobs: list[_LeafJob], header: dict[str, Any] | None
