@@ -1,0 +1,419 @@
+"""Whole training state (params + AdamW moments + counters) through orbax-lossy vs plain Orbax.
+
+Issue #5's measurement. Two AdamW training runs:
+
+* the digits MLP of :mod:`orbax_lossy.demo` (scikit-learn's digits, nothing downloaded);
+* a small character-level transformer language model (Flax linen, pre-LN, causal) trained on
+  the source text of a fixed list of Python standard-library modules (``inspect.getsource``;
+  deterministic for a given Python version), 90/10 train/eval split.
+
+Each run is trained once, uninterrupted, keeping the ``TrainState`` every ``--every`` steps.
+The same sequence of states is then saved through plain Orbax (``ocp.CheckpointManager`` +
+``ocp.args.StandardSave``, default settings) and through orbax-lossy with each policy and each
+``--base-interval``, every configuration in a fresh directory:
+
+* ``params lossy``: ``LeafPolicy()`` (float params ``LC(3)``, optimizer state exact);
+* ``whole LC3``: ``LeafPolicy.create(defaults=...)`` with both Adam moments through ``LC(3)``;
+* ``whole LC3+clu4``: ``mu`` through ``LC(3)``, ``nu`` through ``Cluster(4, domain="log")``;
+* ``adaptive``: ``AdaptivePolicy()`` (default per-role error budgets).
+
+Bytes are bytes on disk of each checkpoint directory. ``delta x`` is the plain Orbax average
+over the mean lossy delta; ``run x`` the plain average over the lossy average over the whole run
+with its bases; ``steady x`` the same for an endless run at that base interval,
+``(base + (B - 1) * delta) / B`` from the measured mean base and delta.
+
+Simulated failure: at ~60% of training the latest lossy checkpoint (a delta for the shown
+intervals) is restored with ``LossyRestore(fresh_train_state)`` in a fresh manager (a new
+process would do the same), and training continues to the end with the same data order (batches
+are a function of the step number). ``resumed`` is the final eval loss of that run and
+``diff %`` its relative difference from the uninterrupted run's final eval loss.
+
+    python benchmarks/whole_state.py [--quick] [--base-interval 20,50] [--every 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import inspect
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax.training import train_state
+
+import orbax_lossy as ol
+from orbax_lossy import demo
+
+# --------------------------------------------------------------------------- workloads
+
+
+@dataclass
+class Workload:
+    """A deterministic training run: ``step_fn(state, step)`` consumes the batch of ``step``."""
+
+    name: str
+    init: Callable[[], train_state.TrainState]
+    step_fn: Callable[[train_state.TrainState, int], train_state.TrainState]
+    eval_loss: Callable[[train_state.TrainState], float]
+
+
+def digits_workload(hidden: int, batch: int = 64, seed: int = 0) -> Workload:
+    """The demo's digits MLP with AdamW; batch ``k`` is the demo's ``k``-th batch."""
+    x, y, x_test, y_test = demo.load_digits(seed)
+    # demo.batches is an endless deterministic stream; materialize the order once so that a
+    # resumed run can start at any step with the same data.
+    per_epoch = len(x) // batch
+    rng = np.random.default_rng(seed)
+    orders: list[np.ndarray] = []
+
+    def batch_of(step: int) -> tuple[jax.Array, jax.Array]:
+        i = step - 1  # steps are 1-based, like demo.training_run
+        while len(orders) <= i // per_epoch:
+            orders.append(rng.permutation(len(x)))
+        idx = orders[i // per_epoch][(i % per_epoch) * batch : (i % per_epoch + 1) * batch]
+        return jnp.asarray(x[idx]), jnp.asarray(y[idx])
+
+    return Workload(
+        name=f"digits MLP hidden={hidden}",
+        init=lambda: demo.create_state("adamw", hidden, seed),
+        step_fn=lambda s, k: demo.train_step(s, *batch_of(k))[0],
+        eval_loss=lambda s: demo.evaluate(s, x_test, y_test),
+    )
+
+
+STDLIB_MODULES = (
+    "argparse", "dataclasses", "functools", "enum", "collections", "json.encoder",
+    "json.decoder", "heapq", "random", "statistics", "fractions", "textwrap", "string",
+    "shutil", "difflib",
+)
+
+
+def stdlib_text(max_chars: int) -> str:
+    """Source text of a fixed list of standard-library modules, concatenated, truncated."""
+    parts = [inspect.getsource(importlib.import_module(m)) for m in STDLIB_MODULES]
+    return "\n".join(parts)[:max_chars]
+
+
+class Block(nn.Module):
+    d_model: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h, mask=mask)
+        h = nn.LayerNorm()(x)
+        h = nn.Dense(self.d_model)(nn.gelu(nn.Dense(4 * self.d_model)(h)))
+        return x + h
+
+
+class CharLM(nn.Module):
+    vocab: int
+    d_model: int = 96
+    layers: int = 2
+    heads: int = 4
+    context: int = 64
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = nn.Embed(self.vocab, self.d_model)(tokens)
+        pos = self.param("pos_embed", nn.initializers.normal(0.02), (self.context, self.d_model))
+        x = x + pos[: tokens.shape[-1]]
+        mask = nn.make_causal_mask(tokens)
+        for _ in range(self.layers):
+            x = Block(self.d_model, self.heads)(x, mask)
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def charlm_workload(
+    steps: int, d_model: int, layers: int, context: int = 64, batch: int = 32,
+    max_chars: int = 320_000, seed: int = 0,
+) -> Workload:
+    text = stdlib_text(max_chars)
+    chars = sorted(set(text))
+    table = {c: i for i, c in enumerate(chars)}
+    data = np.fromiter((table[c] for c in text), np.int32, len(text))
+    split = int(0.9 * len(data))
+    train, held = data[:split], data[split:]
+    starts = np.linspace(0, len(held) - context - 2, 128).astype(np.int64)
+    eval_x = jnp.asarray(np.stack([held[s : s + context] for s in starts]))
+    eval_y = jnp.asarray(np.stack([held[s + 1 : s + context + 1] for s in starts]))
+    model = CharLM(len(chars), d_model, layers, 4, context)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(steps // 20, 1), steps, 3e-4)
+    tx = optax.adamw(schedule, weight_decay=0.01)
+
+    def init() -> train_state.TrainState:
+        params = model.init(jax.random.key(seed), jnp.zeros((1, context), jnp.int32))["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    def loss(params, apply_fn, x, y):
+        logits = apply_fn({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    @jax.jit
+    def train_step(state, x, y):
+        grads = jax.grad(loss)(state.params, state.apply_fn, x, y)
+        return state.apply_gradients(grads=grads)
+
+    @jax.jit
+    def eval_step(state):
+        return loss(state.params, state.apply_fn, eval_x, eval_y)
+
+    def step_fn(state: train_state.TrainState, step: int) -> train_state.TrainState:
+        offs = np.random.default_rng([seed, step]).integers(0, len(train) - context - 1, batch)
+        x = np.stack([train[o : o + context] for o in offs])
+        y = np.stack([train[o + 1 : o + context + 1] for o in offs])
+        return train_step(state, jnp.asarray(x), jnp.asarray(y))
+
+    return Workload(
+        name=f"char transformer {layers}x{d_model} ctx {context} (vocab {len(chars)}, "
+             f"{len(text) // 1000} KB stdlib text)",
+        init=init,
+        step_fn=step_fn,
+        eval_loss=lambda s: float(eval_step(s)),
+    )
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def dir_bytes(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
+    )
+
+
+def state_tree(state: train_state.TrainState) -> dict[str, Any]:
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+
+
+def train(work: Workload, steps: int, every: int, state=None, start: int = 0):
+    """Run steps ``start+1 .. steps``; return (final state, {step: state at checkpoints})."""
+    state = work.init() if state is None else state
+    kept = {}
+    for k in range(start + 1, steps + 1):
+        state = work.step_fn(state, k)
+        if k % every == 0:
+            kept[k] = jax.tree.map(jnp.copy, state)
+    return jax.block_until_ready(state), kept
+
+
+def rel_l2(a: Any, b: Any) -> float:
+    num = sum(float(jnp.sum(jnp.square(x - y))) for x, y in zip(jax.tree.leaves(a),
+                                                                   jax.tree.leaves(b),
+                                                                   strict=True))
+    den = sum(float(jnp.sum(jnp.square(y))) for y in jax.tree.leaves(b))
+    return (num / den) ** 0.5 if den else 0.0
+
+
+def codec_counts(directory: str, steps: list[int]) -> collections.Counter:
+    """Codec ids of the float moment/param leaves over all delta saves (from the manifests)."""
+    counts: collections.Counter = collections.Counter()
+    for s in steps:
+        man = ol.handler.read_manifest(os.path.join(directory, str(s), "default"))
+        if man["kind"] != "delta":
+            continue
+        for leaf in man["leaves"]:
+            if leaf.get("role") in ("param", "first_moment", "second_moment"):
+                cfg = leaf["codec"]
+                cid = cfg.get("id", cfg.get("codec_id", "?")) if isinstance(cfg, dict) else cfg
+                counts[f"{leaf['role']}:{cid}"] += 1
+    return counts
+
+
+def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
+            wanted: list[str]) -> None:
+    t0 = time.perf_counter()
+    final, kept = train(work, args.steps, every)
+    t_train = time.perf_counter() - t0
+    ref_loss = work.eval_loss(final)
+    steps = sorted(kept)
+    fail_step = max(s for s in steps if s <= int(args.fail_at * args.steps))
+    n_params = sum(x.size for x in jax.tree.leaves(final.params))
+    raw = sum(x.nbytes for x in jax.tree.leaves(state_tree(final)))
+    print(f"\n== {work.name}: {n_params} params, {raw} B raw TrainState, AdamW, {args.steps} "
+          f"steps, {len(steps)} checkpoints every {every} steps (train {t_train:.0f} s)")
+    print(f"   uninterrupted final eval loss {ref_loss:.4f}; failure after step "
+          f"{int(args.fail_at * args.steps)} -> resume from checkpoint {fail_step}")
+
+    plain_dir = os.path.join(root, "plain")
+    plain = ocp.CheckpointManager(plain_dir)
+    for s in steps:
+        plain.save(s, args=ocp.args.StandardSave(state_tree(kept[s])))
+        plain.wait_until_finished()
+    plain.close()
+    plain_avg = statistics.mean(dir_bytes(os.path.join(plain_dir, str(s))) for s in steps)
+
+    # noise floor of the resume comparison: the exact checkpoint with Gaussian noise of relative
+    # size 1e-3 per parameter leaf (smaller than LC(3)'s error), moments exact
+    base_state = kept[fail_step]
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(base_state.params))))
+    noisy = base_state.replace(params=jax.tree.map(
+        lambda x: x + 1e-3 * jnp.linalg.norm(x) / max(x.size, 1) ** 0.5
+        * jax.random.normal(next(keys), x.shape, x.dtype), base_state.params))
+    noise_loss = work.eval_loss(train(work, args.steps, every, noisy, start=fail_step)[0])
+
+    policies = {
+        "params lossy": ol.LeafPolicy(),
+        "whole LC3": ol.LeafPolicy.create(
+            defaults={"first_moment": ol.LC(3), "second_moment": ol.LC(3)}
+        ),
+        "whole LC3+clu4": ol.LeafPolicy.create(
+            defaults={"first_moment": ol.LC(3), "second_moment": ol.Cluster(4, domain="log")}
+        ),
+        "adaptive": ol.AdaptivePolicy(),
+        "adaptive loose": ol.AdaptivePolicy.create(
+            budgets={"param": 5e-2, "first_moment": 1.0, "second_moment": 0.1}
+        ),
+    }
+    policies = {k: v for k, v in policies.items() if k in wanted}
+    rows, notes = [], []
+    for label, policy in policies.items():
+        for interval in args.intervals:
+            t1 = time.perf_counter()
+            d = os.path.join(root, f"{label.replace(' ', '_')}_{interval}")
+            mngr = ol.checkpoint_manager(d, policy=policy, base_interval=interval,
+                                         max_to_keep=None)
+            sizes = []
+            for s in steps:
+                mngr.save(s, args=ol.LossySave(kept[s]))
+                mngr.wait_until_finished()
+                kind = ol.handler.read_manifest(os.path.join(d, str(s), "default"))["kind"]
+                sizes.append((kind, dir_bytes(os.path.join(d, str(s)))))
+            mngr.close()
+            # simulated failure: a fresh manager restores into a freshly built TrainState
+            fresh = ol.checkpoint_manager(d, policy=policy, base_interval=interval,
+                                          max_to_keep=None)
+            restored = fresh.restore(fail_step, args=ol.LossyRestore(work.init()))
+            fresh.close()
+            fail_kind = ol.handler.read_manifest(
+                os.path.join(d, str(fail_step), "default"))["kind"]
+            assert int(restored.step) == fail_step, (int(restored.step), fail_step)
+            err = {k: rel_l2(getattr_path(restored, k), getattr_path(kept[fail_step], k))
+                   for k in ("params", "mu", "nu")}
+            resumed, _ = train(work, args.steps, every, restored, start=fail_step)
+            loss = work.eval_loss(resumed)
+            bases = [b for k, b in sizes if k == "base"]
+            deltas = [b for k, b in sizes if k == "delta"]
+            base_b = statistics.mean(bases)
+            delta_b = statistics.mean(deltas) if deltas else float("nan")
+            rows.append({
+                "label": label, "interval": interval, "base": base_b, "delta": delta_b,
+                "avg": statistics.mean(b for _, b in sizes),
+                "steady": (base_b + (interval - 1) * delta_b) / interval,
+                "loss": loss, "fail_kind": fail_kind, "err": err,
+                "secs": time.perf_counter() - t1,
+            })
+            if label == "adaptive" and interval == args.intervals[0]:
+                c = codec_counts(d, steps)
+                notes.append("adaptive codec choices over all delta saves (leaf count): "
+                             + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+            shutil.rmtree(d, ignore_errors=True)
+
+    print(f"{'policy':<16} {'base/':>5} {'base B':>9} {'delta B':>8} {'run avg B':>9} "
+          f"{'delta x':>8} {'run x':>6} {'steady x':>8} {'resumed':>8} {'diff %':>7} "
+          f"{'err p/mu/nu at resume':>22} {'s':>4}")
+    print(f"{'plain orbax':<16} {'-':>5} {plain_avg:>9.0f} {'-':>8} {plain_avg:>9.0f} "
+          f"{'1.0x':>8} {'1.0x':>6} {'1.0x':>8} {ref_loss:>8.4f} {'-':>7}")
+    print(f"{'exact+1e-3 noise':<16} {'-':>5} {'-':>9} {'-':>8} {'-':>9} {'-':>8} {'-':>6} "
+          f"{'-':>8} {noise_loss:>8.4f} {100 * (noise_loss - ref_loss) / ref_loss:>+7.2f}  "
+          "(noise floor: params perturbed 1e-3)")
+    for r in rows:
+        e = r["err"]
+        print(f"{r['label']:<16} {r['interval']:>5} {r['base']:>9.0f} {r['delta']:>8.0f} "
+              f"{r['avg']:>9.0f} {plain_avg / r['delta']:>7.1f}x {plain_avg / r['avg']:>5.1f}x "
+              f"{plain_avg / r['steady']:>7.1f}x {r['loss']:>8.4f} "
+              f"{100 * (r['loss'] - ref_loss) / ref_loss:>+7.2f}"
+              f"{'*' if r['fail_kind'] == 'base' else ' '}"
+              f"{e['params']:.0e}/{e['mu']:.0e}/{e['nu']:.0e}".replace("e-0", "e-")
+              + f" {r['secs']:>4.0f}")
+    if any(r["fail_kind"] == "base" for r in rows):
+        print("  * the resume checkpoint is a lossless base for this interval")
+    for n in notes:
+        print("  " + n)
+    target = [r for r in rows if plain_avg / r["delta"] >= 20
+              and abs(r["loss"] - ref_loss) / ref_loss <= 0.01]
+    print("  meets the issue's target (deltas >= 20x, final eval loss within 1%): "
+          + (", ".join(sorted({r["label"] for r in target})) or "none"))
+
+
+POLICY_NAMES = ("params lossy", "whole LC3", "whole LC3+clu4", "adaptive", "adaptive loose")
+
+
+def getattr_path(state: train_state.TrainState, what: str) -> Any:
+    """params, or the Adam mu / nu subtrees of a TrainState's optimizer state."""
+    if what == "params":
+        return state.params
+    found = []
+    jax.tree_util.tree_map_with_path(
+        lambda p, x: found.append(x) if any(getattr(k, "name", None) == what for k in p)
+        else None, state.opt_state)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny run for a smoke check")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 600)")
+    parser.add_argument("--every", type=int, default=10,
+                        help="checkpoint every K steps (digits MLP)")
+    parser.add_argument("--every-lm", type=int, default=20,
+                        help="checkpoint every K steps (char transformer)")
+    parser.add_argument("--base-interval", default=None,
+                        help="comma-separated base intervals (default 20,50)")
+    parser.add_argument("--fail-at", type=float, default=0.6, help="failure at this fraction")
+    parser.add_argument("--hidden", type=int, default=512, help="digits MLP width")
+    parser.add_argument("--d-model", type=int, default=96)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--only", choices=("digits", "charlm"), default=None)
+    parser.add_argument("--policies", default=None,
+                        help="comma-separated policies for both runs (default: see --full)")
+    parser.add_argument("--full", action="store_true",
+                        help="every policy on both runs (adds AdaptivePolicy() on both and "
+                             "'adaptive loose' on the transformer: several minutes more)")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps = args.steps or 60
+        args.every = args.every_lm = 5
+        args.base_interval = args.base_interval or "5"
+        args.hidden, args.d_model = 64, 32
+    args.steps = args.steps or 600
+    everything = list(POLICY_NAMES)
+    if args.policies:
+        pol_digits = pol_lm = args.policies.split(",")
+    elif args.full or args.quick:
+        pol_digits = pol_lm = everything
+    else:
+        pol_digits = [p for p in everything if p != "adaptive"]
+        pol_lm = [p for p in everything if not p.startswith("adaptive")]
+    args.intervals = [int(i) for i in (args.base_interval or "20,50").split(",")]
+    t0 = time.perf_counter()
+    root = tempfile.mkdtemp(prefix="orbax_lossy_whole_")
+    try:
+        if args.only in (None, "digits"):
+            measure(digits_workload(args.hidden), args, os.path.join(root, "digits"),
+                    args.every, pol_digits)
+        if args.only in (None, "charlm"):
+            work = charlm_workload(args.steps, args.d_model, args.layers,
+                                   max_chars=40_000 if args.quick else 320_000)
+            measure(work, args, os.path.join(root, "charlm"), args.every_lm, pol_lm)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\ntotal wall time {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
