@@ -14,6 +14,8 @@ The same sequence of states is then saved through plain Orbax (``ocp.CheckpointM
 
 * ``params lossy``: ``LeafPolicy()`` (float params ``LC(3)``, optimizer state exact);
 * ``whole LC3``: ``LeafPolicy.create(defaults=...)`` with both Adam moments through ``LC(3)``;
+* ``whole LC2``: parameters and both moments through ``LC(2)`` (closed loop: what a save drops
+  is carried into the next delta);
 * ``whole LC3+clu4``: ``mu`` through ``LC(3)``, ``nu`` through ``Cluster(4, domain="log")``;
 * ``adaptive``: ``AdaptivePolicy()`` (default per-role error budgets).
 
@@ -271,6 +273,9 @@ def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
         "whole LC3": ol.LeafPolicy.create(
             defaults={"first_moment": ol.LC(3), "second_moment": ol.LC(3)}
         ),
+        "whole LC2": ol.LeafPolicy.create(
+            defaults={"param": ol.LC(2), "first_moment": ol.LC(2), "second_moment": ol.LC(2)}
+        ),
         "whole LC3+clu4": ol.LeafPolicy.create(
             defaults={"first_moment": ol.LC(3), "second_moment": ol.Cluster(4, domain="log")}
         ),
@@ -350,7 +355,7 @@ def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
           + (", ".join(sorted({r["label"] for r in target})) or "none"))
 
 
-POLICY_NAMES = ("params lossy", "whole LC3", "whole LC3+clu4", "adaptive", "adaptive loose")
+POLICY_NAMES = ("params lossy", "whole LC3", "whole LC2", "whole LC3+clu4", "adaptive", "adaptive loose")
 
 
 def getattr_path(state: train_state.TrainState, what: str) -> Any:

@@ -60,7 +60,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -308,6 +308,10 @@ class AdaptivePolicy:
       iters, sample: k-means parameters of the Cluster candidates.
     """
 
+    #: the plan changes from save to save, so the handler encodes leaf by leaf (compiled
+    #: programs are then cached per leaf shape and codec, not per whole-tree plan)
+    plan_varies: ClassVar[bool] = True
+
     budgets: tuple[tuple[str, float], ...] = tuple(DEFAULT_BUDGETS.items())
     lc_bits: tuple[int, ...] = (2, 3, 4, 6, 8)
     cluster_bits: tuple[int, ...] = (4, 6, 8)
@@ -346,10 +350,16 @@ class AdaptivePolicy:
         self, values: Sequence[jax.Array], references: Sequence[jax.Array], roles: Sequence[str]
     ) -> list[dict[str, Any]]:
         """Run :func:`leaf_statistics` for float leaves; numpy results, one dict per leaf."""
-        trials = tuple(self._trials(r) for r in roles)
-        stats = leaf_statistics(
-            list(values), list(references), trials=trials, iters=self.iters, sample=self.sample
-        )
+        # One small program per distinct (shape, dtype, sharding, trials), not one per tree:
+        # the compile cost then scales with the distinct leaf shapes (a transformer repeats a
+        # few shapes across layers) and is paid once per run.
+        stats = [
+            leaf_statistics(
+                [value], [ref], trials=(self._trials(role),), iters=self.iters,
+                sample=self.sample,
+            )[0]
+            for value, ref, role in zip(values, references, roles, strict=True)
+        ]
         return _to_host(stats)
 
     def plan(

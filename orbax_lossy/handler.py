@@ -342,7 +342,10 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
                 raise LossyError(f"policy chose delta codec {codec} for a base save")
             plan[i] = codec
         device_idx = [i for i, k in enumerate(kinds) if k == "device"]
-        encoded = program.encode_tree(
+        per_leaf = bool(getattr(self.policy, "plan_varies", False))
+        encoded = _run_grouped(
+            program.encode_tree,
+            per_leaf,
             [prepared[i] for i in device_idx],
             [refs[i] for i in device_idx],
             plan=tuple(plan[i] for i in device_idx),
@@ -410,6 +413,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             "chunk_bytes": self.chunk_bytes,
             "process_count": jax.process_count(),
             "primary_host": self.primary_host,
+            "programs": "per_leaf" if per_leaf else "tree",
             "writer": "orbax-lossy",
         }
         self._reference = _Reference(
@@ -711,7 +715,9 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             sides.append(side)
             refs.append(ref)
         if device_k:
-            decoded = program.decode_tree(
+            decoded = _run_grouped(
+                program.decode_tree,
+                manifest.get("programs") == "per_leaf",
                 fields, sides, refs, plan=tuple(plan), dtypes=tuple(dtypes),
                 shardings=tuple(shardings),
             )
@@ -747,6 +753,23 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
 
 ocp.args.register_with_handler(LossyCheckpointHandler, for_save=True)(LossySave)
 ocp.args.register_with_handler(LossyCheckpointHandler, for_restore=True)(LossyRestore)
+
+
+def _run_grouped(fn, per_leaf: bool, *lists: list[Any], **statics: tuple[Any, ...]) -> list[Any]:
+    """Run a tree program once over all leaves, or once per leaf (then cached per leaf).
+
+    A static per-leaf plan compiles one program for the whole tree. A plan that changes from
+    save to save (adaptive policies) would recompile that program at every new combination,
+    so such saves run one small program per leaf, cached by leaf shape, dtype and codec.
+    """
+    if not per_leaf:
+        return fn(*lists, **statics)
+    out = []
+    for j in range(len(lists[0])):
+        out.extend(
+            fn(*[[arg[j]] for arg in lists], **{k: (v[j],) for k, v in statics.items()})
+        )
+    return out
 
 
 @jax.jit
