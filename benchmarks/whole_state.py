@@ -355,7 +355,9 @@ def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
           + (", ".join(sorted({r["label"] for r in target})) or "none"))
 
 
-POLICY_NAMES = ("params lossy", "whole LC3", "whole LC2", "whole LC3+clu4", "adaptive", "adaptive loose")
+POLICY_NAMES = (
+    "params lossy", "whole LC3", "whole LC2", "whole LC3+clu4", "adaptive", "adaptive loose"
+)
 
 
 def getattr_path(state: train_state.TrainState, what: str) -> Any:
