@@ -16,6 +16,7 @@ The same sequence of states is then saved through plain Orbax (``ocp.CheckpointM
 * ``whole LC3``: ``LeafPolicy.create(defaults=...)`` with both Adam moments through ``LC(3)``;
 * ``whole LC2``: parameters and both moments through ``LC(2)`` (closed loop: what a save drops
   is carried into the next delta);
+* ``LC3+LC2mom``: parameters through ``LC(3)``, both moments through ``LC(2)``;
 * ``whole LC3+clu4``: ``mu`` through ``LC(3)``, ``nu`` through ``Cluster(4, domain="log")``;
 * ``adaptive``: ``AdaptivePolicy()`` (default per-role error budgets).
 
@@ -276,6 +277,9 @@ def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
         "whole LC2": ol.LeafPolicy.create(
             defaults={"param": ol.LC(2), "first_moment": ol.LC(2), "second_moment": ol.LC(2)}
         ),
+        "LC3+LC2mom": ol.LeafPolicy.create(
+            defaults={"first_moment": ol.LC(2), "second_moment": ol.LC(2)}
+        ),
         "whole LC3+clu4": ol.LeafPolicy.create(
             defaults={"first_moment": ol.LC(3), "second_moment": ol.Cluster(4, domain="log")}
         ),
@@ -356,7 +360,7 @@ def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
 
 
 POLICY_NAMES = (
-    "params lossy", "whole LC3", "whole LC2", "whole LC3+clu4", "adaptive", "adaptive loose"
+    "params lossy", "whole LC3", "whole LC2", "LC3+LC2mom", "whole LC3+clu4", "adaptive", "adaptive loose"
 )
 
 

@@ -20,7 +20,7 @@ randomness, fixed tie-break order), so every process makes the same plan.
 The rule, per float leaf (integer, bool and PRNG-key leaves are always exact; every leaf is
 exact on a base save; a leaf whose statistics are not finite is exact):
 
-1. Price every candidate in estimated bits per element and bound or estimate its relative
+1. Price every candidate in estimated bits per element and compute or estimate its relative
    error ``||recon - value|| / ||value||`` (the handler's ``rel_error``):
 
    * ``exact`` (:class:`~orbax_lossy.codecs.exact.Exact`): ``H(sign, exponent) + mantissa
@@ -29,10 +29,10 @@ exact on a base save; a leaf whose statistics are not finite is exact):
      (H2(q_j) + 8 q_j)`` with ``p`` the changed fraction and ``q_j`` the non-zero fraction of
      XOR byte plane ``j``; error 0;
    * ``lc`` (:class:`~orbax_lossy.codecs.lc.LC`, each ``bits`` in ``lc_bits``): the order-0
-     entropy of the symbols the promotion would produce (replayed on the bucket table) and a
-     guaranteed error bound: dropped buckets contribute their sum of squares, a kept bucket at
-     most ``count * ((max - min) / 2)**2``, times 2 for leaves narrower than float32 (rounding
-     of the reconstruction to the leaf dtype at most doubles the error);
+     entropy of the symbols the promotion would produce (replayed on the bucket table) and its
+     error computed from per-bucket sums (dropped buckets contribute their sum of squares, a
+     kept bucket ``sum (x - m)^2`` with its midrange ``m``), times 2 for leaves narrower than
+     float32 (rounding of the reconstruction to the leaf dtype at most doubles the error);
    * ``cluster`` (:class:`~orbax_lossy.codecs.cluster.Cluster`, each ``bits`` in
      ``cluster_bits``; only for optimizer moments, ``domain="log"`` for ``second_moment``
      leaves whose minimum is >= 0, linear otherwise): entropy and error measured on the
@@ -49,7 +49,7 @@ exact on a base save; a leaf whose statistics are not finite is exact):
    cluster (fewer bits first).
 
 This is stage-aware in BitSnap's sense without a schedule: early in training deltas are large
-(LC's bound exceeds the budget, every bf16 element changes) and moments are stored exactly or
+(LC's error exceeds the budget, every bf16 element changes) and moments are stored exactly or
 clustered; later most bf16 weights stop changing bitwise between saves (bitmask) and float32
 deltas shrink (LC). The realized error is recorded per leaf in the manifest (``rel_error``).
 """
@@ -91,7 +91,7 @@ ClusterTrial = tuple[int, str]
 
 
 def _bucket_table(delta: jax.Array) -> dict[str, jax.Array]:
-    """LC bucket table of ``delta``: count, sum of squares, max and min magnitude per bucket."""
+    """LC bucket table of ``delta``: count, sum, sum of squares, max and min magnitude."""
     flat = delta.reshape(-1)
     bucket, n_buckets = exponent_buckets(flat)
     seg = jnp.where(bucket < 0, n_buckets, bucket)
@@ -100,6 +100,7 @@ def _bucket_table(delta: jax.Array) -> dict[str, jax.Array]:
     big = jnp.asarray(jnp.inf, mag.dtype)
     return {
         "count": jax.ops.segment_sum(jnp.ones_like(seg), seg, num_segments=n)[:-1],
+        "sum": jax.ops.segment_sum(mag, seg, num_segments=n)[:-1],
         "sumsq": jax.ops.segment_sum(jnp.square(mag), seg, num_segments=n)[:-1],
         "max": jax.ops.segment_max(mag, seg, num_segments=n)[:-1],
         "min": jax.ops.segment_min(jnp.where(bucket < 0, big, mag), seg, num_segments=n)[:-1],
@@ -217,14 +218,26 @@ def lc_kept(counts: np.ndarray, bits: int) -> np.ndarray:
 
 
 def lc_estimate(table: Mapping[str, np.ndarray], n: int, bits: int) -> tuple[float, float]:
-    """``(bits per element, bound on ||error||^2)`` of ``LC(bits)`` from the bucket table."""
+    """``(bits per element, ||error||^2)`` of ``LC(bits)`` on the delta, from the bucket table.
+
+    The error is computed, not bounded: a dropped bucket contributes its sum of squares, a
+    kept bucket with representative ``m = (max + min) / 2`` contributes
+    ``sum(x^2) - 2 m sum(x) + count m^2`` (clamped at 0; float32 sums make it accurate to
+    about a percent, so a 2% margin is added).
+    """
     counts = np.asarray(table["count"], np.int64)
+    total = np.asarray(table["sum"], np.float64)
     sumsq = np.asarray(table["sumsq"], np.float64)
-    width = np.asarray(table["max"], np.float64) - np.where(
-        counts > 0, np.asarray(table["min"], np.float64), 0
+    present = counts > 0
+    mid = np.where(
+        present,
+        (np.where(present, np.asarray(table["max"], np.float64), 0)
+         + np.where(present, np.asarray(table["min"], np.float64), 0)) / 2,
+        0.0,
     )
     keep = lc_kept(counts, bits)
-    err_sq = float(sumsq[~keep].sum() + (counts[keep] * np.square(width[keep] / 2)).sum())
+    kept_err = np.maximum(sumsq - 2 * mid * total + counts * np.square(mid), 0.0)
+    err_sq = 1.02 * float(sumsq[~keep].sum() + kept_err[keep].sum())
     symbol_counts = np.append(counts[keep], n - counts[keep].sum())
     return entropy_bits(symbol_counts), err_sq
 
