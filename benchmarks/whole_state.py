@@ -285,7 +285,7 @@ def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
         ),
         "adaptive": ol.AdaptivePolicy(),
         "adaptive loose": ol.AdaptivePolicy.create(
-            budgets={"param": 5e-2, "first_moment": 1.0, "second_moment": 0.1}
+            budgets={"param": 6e-2, "first_moment": 4.0, "second_moment": 0.15}
         ),
     }
     policies = {k: v for k, v in policies.items() if k in wanted}
