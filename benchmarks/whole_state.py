@@ -364,6 +364,9 @@ POLICY_NAMES = (
 )
 
 
+DEFAULT_POLICIES = ("params lossy", "whole LC3", "LC3+LC2mom", "adaptive", "adaptive loose")
+
+
 def getattr_path(state: train_state.TrainState, what: str) -> Any:
     """params, or the Adam mu / nu subtrees of a TrainState's optimizer state."""
     if what == "params":
@@ -408,8 +411,7 @@ def main() -> None:
     elif args.full or args.quick:
         pol_digits = pol_lm = everything
     else:
-        pol_digits = [p for p in everything if p != "adaptive"]
-        pol_lm = [p for p in everything if not p.startswith("adaptive")]
+        pol_digits = pol_lm = list(DEFAULT_POLICIES)
     args.intervals = [int(i) for i in (args.base_interval or "20,50").split(",")]
     t0 = time.perf_counter()
     root = tempfile.mkdtemp(prefix="orbax_lossy_whole_")

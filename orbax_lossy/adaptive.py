@@ -324,7 +324,8 @@ class AdaptivePolicy:
         the best admissible lossy codec.
       cheap_lossless_bits: a lossless codec costing at most this many bits per element is
         always preferred (1 bit = 1/16 of bfloat16).
-      min_size: leaves with fewer elements are stored losslessly.
+      min_size: leaves with fewer elements are stored losslessly (below ~64 elements the
+        side tables of a lossy codec cost as much as the leaf).
       iters, sample: k-means parameters of the Cluster candidates.
     """
 
@@ -337,7 +338,7 @@ class AdaptivePolicy:
     cluster_bits: tuple[int, ...] = (4, 6, 8)
     lossless_slack: float = 1.25
     cheap_lossless_bits: float = 1.0
-    min_size: int = 1024
+    min_size: int = 64
     iters: int = 16
     sample: int = 1 << 16
 
