@@ -18,7 +18,8 @@ The same sequence of states is then saved through plain Orbax (``ocp.CheckpointM
   is carried into the next delta);
 * ``LC3+LC2mom``: parameters through ``LC(3)``, both moments through ``LC(2)``;
 * ``whole LC3+clu4``: ``mu`` through ``LC(3)``, ``nu`` through ``Cluster(4, domain="log")``;
-* ``adaptive``: ``AdaptivePolicy()`` (default per-role error budgets).
+* ``adaptive``: ``AdaptivePolicy()`` (default per-role error budgets);
+* ``adaptive loose``: ``AdaptivePolicy`` with a parameter budget of 6e-2.
 
 Bytes are bytes on disk of each checkpoint directory. ``delta x`` is the plain Orbax average
 over the mean lossy delta; ``run x`` the plain average over the lossy average over the whole run
@@ -360,7 +361,8 @@ def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
 
 
 POLICY_NAMES = (
-    "params lossy", "whole LC3", "whole LC2", "LC3+LC2mom", "whole LC3+clu4", "adaptive", "adaptive loose"
+    "params lossy", "whole LC3", "whole LC2", "LC3+LC2mom", "whole LC3+clu4", "adaptive",
+    "adaptive loose",
 )
 
 
@@ -394,10 +396,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--only", choices=("digits", "charlm"), default=None)
     parser.add_argument("--policies", default=None,
-                        help="comma-separated policies for both runs (default: see --full)")
+                        help="comma-separated policies for both runs (default: "
+                             + ", ".join(DEFAULT_POLICIES) + ")")
     parser.add_argument("--full", action="store_true",
-                        help="every policy on both runs (adds AdaptivePolicy() on both and "
-                             "'adaptive loose' on the transformer: several minutes more)")
+                        help="every policy on both runs (adds 'whole LC2' and "
+                             "'whole LC3+clu4')")
     args = parser.parse_args()
     if args.quick:
         args.steps = args.steps or 60
