@@ -299,3 +299,18 @@ class PayloadReader:
                 f"({ref.length} bytes): the checkpoint is corrupted"
             )
         return data
+
+
+def check_coverage(leaf: dict[str, Any], directory: str) -> None:
+    """The pieces of every field of a merged leaf cover its array exactly once (by volume)."""
+    shape = leaf["shape"]
+    total = math.prod(shape)
+    fields: dict[str, int] = {}
+    for p in leaf["pieces"]:
+        fields[p["field"]] = fields.get(p["field"], 0) + math.prod(b - a for a, b in p["box"])
+    for name, covered in fields.items():
+        if covered != total:
+            raise FormatError(
+                f"{directory}: leaf {leaf['path']} field {name!r} covers {covered} of "
+                f"{total} elements (a process did not write its shards)"
+            )

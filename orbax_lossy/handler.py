@@ -31,7 +31,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_lossy import format as fmt
-from orbax_lossy import program
+from orbax_lossy import program, reading
+from orbax_lossy.args import LossyRestore, LossySave, validate_item
 from orbax_lossy.codecs.base import Codec, codec_config, codec_from_config
 from orbax_lossy.codecs.exact import Exact
 from orbax_lossy.errors import (
@@ -47,81 +48,6 @@ from orbax_lossy.treepaths import StoredPath, build_nested, flatten, path_str
 TYPESTR = "orbax_lossy.LossyCheckpointHandler"
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 _HOST_KINDS = ("numpy", "int", "float", "bool")
-
-
-# --------------------------------------------------------------------------- args
-
-
-def _classify_leaf(path: StoredPath, leaf: Any) -> str:
-    """Storage kind of a leaf: ``device`` (jax.Array), ``numpy`` or a Python scalar type."""
-    if isinstance(leaf, jax.Array):
-        return "device"
-    if isinstance(leaf, (bool, np.bool_)):
-        return "bool"
-    if isinstance(leaf, (int, np.integer)) and not isinstance(leaf, bool):
-        return "int"
-    if isinstance(leaf, (float, np.floating)):
-        return "float"
-    if isinstance(leaf, np.ndarray):
-        return "numpy"
-    raise InvalidArgumentError(
-        f"leaf {path_str(path)!r} has unsupported type {type(leaf).__name__}; orbax_lossy "
-        "saves jax.Array, numpy arrays and Python/numpy scalars"
-    )
-
-
-def validate_item(item: Any) -> tuple[list[StoredPath], list[Any], list[str]]:
-    """Flatten and check a tree to save; raises :class:`InvalidArgumentError` naming the leaf."""
-    if item is None:
-        raise InvalidArgumentError("LossySave needs an item to save, got None")
-    paths, leaves, _ = flatten(item)
-    if not leaves:
-        raise InvalidArgumentError("LossySave item has no leaves")
-    kinds = []
-    for path, leaf in zip(paths, leaves, strict=True):
-        kind = _classify_leaf(path, leaf)
-        if kind == "device":
-            if leaf.is_deleted():
-                raise InvalidArgumentError(f"leaf {path_str(path)!r} is a deleted (donated) array")
-            if jax.process_count() > 1 and leaf.is_fully_addressable:
-                if not leaf.sharding.is_fully_replicated:
-                    raise InvalidArgumentError(
-                        f"leaf {path_str(path)!r} is a process-local array in a multi-process "
-                        "run; make it a global jax.Array (jax.make_array_from_process_local_data)"
-                    )
-                kind = "numpy"  # a process-local replicated value: the primary writes it
-        elif kind == "numpy" and leaf.dtype == object:
-            raise InvalidArgumentError(f"leaf {path_str(path)!r} is an object array")
-        kinds.append(kind)
-    return paths, leaves, kinds
-
-
-@dataclasses.dataclass
-class LossySave(ocp.args.CheckpointArgs):
-    """Save ``item`` (any pytree of arrays and scalars) through the lossy handler.
-
-    ``force_base=True`` writes a full lossless snapshot regardless of the base interval.
-    The tree is validated here, before Orbax starts the save.
-    """
-
-    item: Any
-    force_base: bool = False
-
-    def __post_init__(self) -> None:
-        validate_item(self.item)
-
-
-@dataclasses.dataclass
-class LossyRestore(ocp.args.CheckpointArgs):
-    """Restore a checkpoint. Every field is optional.
-
-    ``item``: a target tree (arrays, ``jax.ShapeDtypeStruct`` with ``sharding``, or the saved
-    state itself) whose structure, dtypes and shardings the result takes; leaves present on
-    disk but absent from ``item`` are skipped. Without it, nested dicts are returned, device
-    leaves on the first local device (single process) or replicated (multi-process).
-    """
-
-    item: Any = None
 
 
 # --------------------------------------------------------------------------- state
@@ -540,7 +466,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
                 leaves[index].setdefault("pieces", []).extend(plist)
         for leaf in leaves:
             leaf.setdefault("pieces", [])
-            _check_coverage(leaf, directory)
+            fmt.check_coverage(leaf, directory)
             leaf["stored_bytes"] = sum(p["length"] for p in leaf["pieces"])
         manifest = dict(primary["header"])
         manifest["leaves"] = leaves
@@ -630,7 +556,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             value = values[k]
             if leaf.get("key_impl"):
                 value = jax.random.wrap_key_data(value, impl=leaf["key_impl"])
-            out.append(_cast_to_target(value, targets[k], leaf))
+            out.append(reading.cast_to_target(value, targets[k], leaf))
         if len(selected) == len(stored_paths):
             self._adopt_reference(item_dir, final_manifest, stored_paths, values)
         if treedef is None:
@@ -685,14 +611,14 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             storage_dtype = dtype if not leaf.get("key_impl") else dtype
             if leaf["kind"] in _HOST_KINDS:
                 box = tuple((0, d) for d in shape)
-                arr = _read_region(reader, pieces, codec, "raw", storage_dtype, box, {}, lw)
+                arr = reading.read_region(reader, pieces, codec, "raw", storage_dtype, box, {}, lw)
                 out[k] = arr
                 continue
-            sharding = _target_sharding(targets[k])
+            sharding = reading.target_sharding(targets[k])
             field_arrays = {}
             for name, fdtype in codec.field_dtypes(storage_dtype).items():
                 fpieces = [p for p in pieces if p.field == name]
-                field_arrays[name] = _assemble(
+                field_arrays[name] = reading.assemble_field(
                     reader, fpieces, codec, name, fdtype, shape, sharding, lw, self.encode_threads
                 )
             side = {}
@@ -786,110 +712,3 @@ def _delta_signature(on_device: bool, shape: Any, dtype: Any) -> tuple | None:
     if on_device and jnp.issubdtype(dtype, jnp.floating):
         return (tuple(int(d) for d in shape), np.dtype(dtype).name)
     return None
-
-
-def _check_coverage(leaf: dict[str, Any], directory: str) -> None:
-    shape = leaf["shape"]
-    total = math.prod(shape)
-    fields: dict[str, int] = {}
-    for p in leaf["pieces"]:
-        fields[p["field"]] = fields.get(p["field"], 0) + math.prod(b - a for a, b in p["box"])
-    for name, covered in fields.items():
-        if covered != total:
-            raise FormatError(
-                f"{directory}: leaf {leaf['path']} field {name!r} covers {covered} of "
-                f"{total} elements (a process did not write its shards)"
-            )
-
-
-def _target_sharding(target: Any) -> jax.sharding.Sharding:
-    sharding = getattr(target, "sharding", None)
-    if isinstance(sharding, jax.sharding.Sharding):
-        return sharding
-    if jax.process_count() == 1:
-        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-
-def _cast_to_target(value: Any, target: Any, leaf: dict[str, Any]) -> Any:
-    kind = leaf["kind"]
-    if kind == "int":
-        return int(value)
-    if kind == "float":
-        return float(value)
-    if kind == "bool":
-        return bool(value)
-    dtype = getattr(target, "dtype", None)
-    if (
-        target is not None
-        and dtype is not None
-        and kind == "device"
-        and not leaf.get("key_impl")
-        and np.dtype(dtype) != value.dtype
-    ):
-        return value.astype(dtype)
-    if kind == "numpy" and isinstance(target, jax.Array | jax.ShapeDtypeStruct):
-        return jax.device_put(value, _target_sharding(target))
-    return value
-
-
-def _read_region(reader, pieces, codec, field, dtype, region, cache, where) -> np.ndarray:
-    out = np.empty(fmt.box_shape(region), dtype)
-    covered = 0
-    for p in pieces:
-        if p.field != field:
-            continue
-        inter = fmt.intersect(p.box, region)
-        if inter is None:
-            continue
-        key = (p.file, p.offset)
-        data = cache.get(key)
-        if data is None:
-            data = _decode_piece(reader, p, codec, field, dtype, where)
-            cache[key] = data
-        out[fmt.local_slices(inter, region)] = data[fmt.local_slices(inter, p.box)]
-        covered += math.prod(fmt.box_shape(inter))
-    if covered != math.prod(fmt.box_shape(region)):
-        raise FormatError(f"{where}: field {field!r} region {region} is not fully stored")
-    return out
-
-
-def _decode_piece(reader, p, codec, field, dtype, where) -> np.ndarray:
-    data = reader.read(p, where)
-    shape = fmt.box_shape(p.box)
-    try:
-        arr = codec.host_decode(field, data, shape, np.dtype(dtype))
-    except LossyError:
-        raise
-    except Exception as e:  # a decoder bug or corrupted-but-checksummed data
-        raise FormatError(f"{where}: piece at {p.file}:{p.offset} does not decode: {e}") from e
-    if arr.shape != shape:
-        raise FormatError(f"{where}: piece decoded to shape {arr.shape}, expected {shape}")
-    return arr
-
-
-def _assemble(reader, pieces, codec, field, dtype, shape, sharding, where, threads) -> jax.Array:
-    """Build one field as a jax.Array on ``sharding`` from the pieces its shards overlap."""
-    regions = {
-        fmt.box_from_index(idx, shape)
-        for idx in sharding.addressable_devices_indices_map(shape).values()
-    }
-    needed = {}
-    for p in pieces:
-        if any(fmt.intersect(p.box, r) is not None for r in regions):
-            needed[(p.file, p.offset)] = p
-    cache: dict[tuple[str, int], np.ndarray] = {}
-    if len(needed) > 1 and threads > 1:
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            decoded = pool.map(
-                lambda p: _decode_piece(reader, p, codec, field, dtype, where), needed.values()
-            )
-            cache.update(zip(needed.keys(), decoded, strict=True))
-
-    def callback(index: tuple[slice, ...]) -> np.ndarray:
-        region = fmt.box_from_index(index, shape)
-        return _read_region(reader, list(needed.values()), codec, field, dtype, region, cache,
-                            where)
-
-    return jax.make_array_from_callback(shape, sharding, callback)
