@@ -261,14 +261,22 @@ def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
     plain.close()
     plain_avg = statistics.mean(dir_bytes(os.path.join(plain_dir, str(s))) for s in steps)
 
-    # noise floor of the resume comparison: the exact checkpoint with Gaussian noise of relative
-    # size 1e-3 per parameter leaf (smaller than LC(3)'s error), moments exact
+    # noise floor of the resume comparison: resume from the *exact* checkpoint with Gaussian
+    # noise of relative size eps added to every parameter leaf (moments exact). eps = 1e-3 is
+    # far below LC(3)'s error; eps = 3e-2 matches the error budget of AdaptivePolicy(). If the
+    # final loss moves as much under this noise as under a codec, the comparison measures the
+    # sensitivity of the training run, not the codec.
     base_state = kept[fail_step]
-    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(base_state.params))))
-    noisy = base_state.replace(params=jax.tree.map(
-        lambda x: x + 1e-3 * jnp.linalg.norm(x) / max(x.size, 1) ** 0.5
-        * jax.random.normal(next(keys), x.shape, x.dtype), base_state.params))
-    noise_loss = work.eval_loss(train(work, args.steps, every, noisy, start=fail_step)[0])
+    noise_losses = {}
+    for eps in (1e-3, 3e-2):
+        keys = iter(jax.random.split(jax.random.key(1),
+                                     len(jax.tree.leaves(base_state.params))))
+        noisy = base_state.replace(params=jax.tree.map(
+            lambda x, eps=eps, keys=keys: x + eps * jnp.linalg.norm(x) / max(x.size, 1) ** 0.5
+            * jax.random.normal(next(keys), x.shape, x.dtype), base_state.params))
+        noise_losses[eps] = work.eval_loss(
+            train(work, args.steps, every, noisy, start=fail_step)[0]
+        )
 
     policies = {
         "params lossy": ol.LeafPolicy(),
@@ -286,7 +294,7 @@ def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
         ),
         "adaptive": ol.AdaptivePolicy(),
         "adaptive loose": ol.AdaptivePolicy.create(
-            budgets={"param": 6e-2, "first_moment": 4.0, "second_moment": 0.15}
+            budgets={"param": 6e-2, "first_moment": 1.0, "second_moment": 0.15}
         ),
     }
     policies = {k: v for k, v in policies.items() if k in wanted}
@@ -338,9 +346,11 @@ def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
           f"{'err p/mu/nu at resume':>22} {'s':>4}")
     print(f"{'plain orbax':<16} {'-':>5} {plain_avg:>9.0f} {'-':>8} {plain_avg:>9.0f} "
           f"{'1.0x':>8} {'1.0x':>6} {'1.0x':>8} {ref_loss:>8.4f} {'-':>7}")
-    print(f"{'exact+1e-3 noise':<16} {'-':>5} {'-':>9} {'-':>8} {'-':>9} {'-':>8} {'-':>6} "
-          f"{'-':>8} {noise_loss:>8.4f} {100 * (noise_loss - ref_loss) / ref_loss:>+7.2f}  "
-          "(noise floor: params perturbed 1e-3)")
+    for eps, noise_loss in noise_losses.items():
+        print(f"{f'exact+{eps:.0e} noise':<16} {'-':>5} {'-':>9} {'-':>8} {'-':>9} {'-':>8} "
+              f"{'-':>6} {'-':>8} {noise_loss:>8.4f} "
+              f"{100 * (noise_loss - ref_loss) / ref_loss:>+7.2f}  "
+              f"(noise floor: params perturbed {eps:.0e})")
     for r in rows:
         e = r["err"]
         print(f"{r['label']:<16} {r['interval']:>5} {r['base']:>9.0f} {r['delta']:>8.0f} "
