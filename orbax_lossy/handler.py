@@ -541,11 +541,17 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         stored_paths = [tuple((k, v) for k, v in leaf["path"]) for leaf in final_manifest["leaves"]]
         selected, targets, treedef = self._targets(item_dir, stored_paths, final_manifest, args)
 
+        starts = _first_needed_links(chain, selected)
         values: list[Any] | None = None
         bytes_read = 0
-        for link_dir, manifest in chain:
+        for position, (link_dir, manifest) in enumerate(chain):
+            active = [position >= start for start in starts]
+            if not any(active):
+                continue
             reader = fmt.PayloadReader(link_dir)
-            values = self._decode_link(link_dir, manifest, selected, targets, values, reader)
+            values = self._decode_link(
+                link_dir, manifest, selected, targets, values, reader, active
+            )
             bytes_read += reader.bytes_read
         self.last_restore_bytes_read = bytes_read
         assert values is not None
@@ -592,7 +598,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
                 )
         return selected, leaves, treedef
 
-    def _decode_link(self, link_dir, manifest, selected, targets, previous, reader):
+    def _decode_link(self, link_dir, manifest, selected, targets, previous, reader, active):
         where = link_dir
         device_k, plan, dtypes, shardings, fields, sides, refs = [], [], [], [], [], [], []
         out: list[Any] = [None] * len(selected)
@@ -600,6 +606,8 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         for k, i in enumerate(selected):
             if i >= len(leaves):
                 raise ChainError(f"{where}: leaf table does not match the chain's last step")
+            if not active[k]:  # a later link stores this leaf whole: nothing to read here
+                continue
             leaf = leaves[i]
             lw = f"{where}: leaf {path_str(tuple((a, b) for a, b in leaf['path']))!r}"
             codec = codec_from_config(leaf["codec"], lw)
@@ -679,6 +687,25 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
 
 ocp.args.register_with_handler(LossyCheckpointHandler, for_save=True)(LossySave)
 ocp.args.register_with_handler(LossyCheckpointHandler, for_restore=True)(LossyRestore)
+
+
+def _first_needed_links(chain: list[tuple[str, dict[str, Any]]], selected: list[int]) -> list[int]:
+    """Per selected leaf, the last link of the chain that stores it without a reference.
+
+    Restoring a leaf only needs the links from there on: an exact leaf (a step counter, an
+    optimizer state kept exact) is read from the newest checkpoint alone, not from every link.
+    """
+    starts = []
+    for i in selected:
+        start = 0
+        for position, (link_dir, manifest) in enumerate(chain):
+            leaves = manifest["leaves"]
+            if i >= len(leaves):
+                raise ChainError(f"{link_dir}: leaf table does not match the chain's last step")
+            if not codec_from_config(leaves[i]["codec"], link_dir).needs_reference:
+                start = position
+        starts.append(start)
+    return starts
 
 
 def _run_grouped(fn, per_leaf: bool, *lists: list[Any], **statics: tuple[Any, ...]) -> list[Any]:

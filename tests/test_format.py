@@ -198,3 +198,26 @@ def test_checkpoint_stats_reads_back_per_leaf_statistics(tmp_path) -> None:
     assert w["ratio"] == w["raw_bytes"] / w["stored_bytes"]
     assert 0 < w["rel_error"] < 0.5
     assert rows["n"]["codec"] == {"id": "exact"} and rows["n"]["rel_error"] == 0.0
+
+
+def test_restore_reads_exact_leaves_from_the_newest_link_only(tmp_path) -> None:
+    """Delta leaves need every link since the base; exact leaves only the newest link."""
+    rng = np.random.default_rng(1)
+    state = {"w": jnp.asarray(rng.standard_normal((128, 64)), jnp.float32),
+             "counts": jnp.asarray(rng.integers(0, 1 << 30, (256, 64)), jnp.int32)}
+    handler = ol.LossyCheckpointHandler(base_interval=10)
+    mngr = ol.checkpoint_manager(tmp_path, handler=handler, max_to_keep=None)
+    for step in range(4):
+        state = {"w": state["w"] + 0.01, "counts": state["counts"] + 1}
+        mngr.save(step, args=ol.LossySave(state))
+        mngr.wait_until_finished()
+
+    def leaf_bytes(step: int, name: str) -> int:
+        manifest = read_manifest(os.path.join(tmp_path, str(step), "default"))
+        leaf = next(x for x in manifest["leaves"] if x["path"] == [["d", name]])
+        return sum(p["length"] for p in leaf["pieces"])
+
+    restored = handler.restore(os.path.join(tmp_path, "3", "default"))
+    expected = sum(leaf_bytes(s, "w") for s in range(4)) + leaf_bytes(3, "counts")
+    assert handler.last_restore_bytes_read == expected
+    np.testing.assert_array_equal(np.asarray(restored["counts"]), np.asarray(state["counts"]))
