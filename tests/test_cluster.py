@@ -10,7 +10,7 @@ import pytest
 from orbax_lossy import program
 from orbax_lossy.codecs.base import codec_config, codec_from_config
 from orbax_lossy.codecs.cluster import Cluster
-from orbax_lossy.errors import CodecError
+from orbax_lossy.errors import CodecError, FormatError
 
 
 def adam_nu(shape=(256, 384), steps: int = 30, seed: int = 0) -> np.ndarray:
@@ -122,6 +122,6 @@ def test_config_and_bad_parameters():
                    {"domain": "log", "mode": "delta"}, {"sample": 4}):
         with pytest.raises(CodecError):
             Cluster(**kwargs)
-    with pytest.raises(CodecError):
+    with pytest.raises(FormatError, match="outside the alphabet"):  # corrupted stored symbols
         Cluster(bits=2).host_decode("sym", Cluster().host_encode("sym", np.full(4, 9, np.uint8)),
                                     (4,), np.dtype(np.uint8))

@@ -193,3 +193,12 @@ def test_handler_saves_do_not_recompile(tmp_path) -> None:
         sizes.append(program.encode_tree._cache_size())
     # one program for the base, one for the deltas; the third and fourth saves compile nothing
     assert sizes == [1, 2, 2, 2]
+
+
+def test_stored_symbols_outside_the_alphabet_are_rejected() -> None:
+    """JAX clamps out-of-range gathers silently, so the host half must refuse them."""
+    import orbax_lossy as ol
+
+    data = LC(2).host_encode("sym", np.asarray([0, 1, 3, 5], np.uint8))
+    with pytest.raises(ol.FormatError, match="outside the alphabet of 4"):
+        LC(2).host_decode("sym", data, (4,), np.dtype(np.uint8))

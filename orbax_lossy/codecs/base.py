@@ -23,7 +23,8 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import jax
 import numpy as np
 
-from orbax_lossy.errors import CodecError
+from orbax_lossy.entropy import decode_symbols, encode_symbols
+from orbax_lossy.errors import CodecError, FormatError
 
 
 class Encoded(NamedTuple):
@@ -88,3 +89,21 @@ def codec_from_config(config: dict[str, Any], where: str = "") -> Codec:
 
 def dataclass_config(codec: Any) -> dict[str, Any]:
     return {f.name: getattr(codec, f.name) for f in dataclasses.fields(codec)}
+
+
+def encode_symbol_field(array: np.ndarray) -> bytes:
+    """Host half of a uint8 symbol field (LC symbols, k-means indices, a bitmask)."""
+    return encode_symbols(np.ascontiguousarray(array, dtype=np.uint8).reshape(-1))
+
+
+def decode_symbol_field(data: bytes, shape: tuple[int, ...], alphabet: int) -> np.ndarray:
+    """Inverse of :func:`encode_symbol_field`; every symbol must be below ``alphabet``.
+
+    A symbol outside the alphabet would index past a codebook on device, where JAX clamps
+    indices silently, so it is rejected here as corrupted data.
+    """
+    n = int(np.prod(shape, dtype=np.int64))
+    out = decode_symbols(data, n).reshape(shape)
+    if out.size and int(out.max()) >= alphabet:
+        raise FormatError(f"symbol {int(out.max())} outside the alphabet of {alphabet} symbols")
+    return out

@@ -34,9 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from orbax_lossy.codecs import lossless
-from orbax_lossy.codecs.base import Encoded, dataclass_config, register_codec
+from orbax_lossy.codecs.base import (
+    Encoded,
+    dataclass_config,
+    decode_symbol_field,
+    encode_symbol_field,
+    register_codec,
+)
 from orbax_lossy.codecs.lc import dequantize, promote, work_dtype
-from orbax_lossy.entropy import decode_symbols, encode_symbols
 from orbax_lossy.errors import CodecError
 
 
@@ -128,15 +133,12 @@ class Bitmask:
     def host_encode(self, field: str, array: np.ndarray) -> bytes:
         if field == "xor":
             return lossless.encode_array(np.ascontiguousarray(array))
-        return encode_symbols(np.ascontiguousarray(array, dtype=np.uint8).reshape(-1))
+        return encode_symbol_field(array)
 
     def host_decode(
         self, field: str, data: bytes, shape: tuple[int, ...], dtype: np.dtype
     ) -> np.ndarray:
         if field == "xor":
             return lossless.decode_array(data, shape, dtype)
-        n = int(np.prod(shape, dtype=np.int64))
-        out = decode_symbols(data, n).reshape(shape)
-        if field == "mask" and out.size and out.max() > 1:
-            raise CodecError("bitmask mask field holds values other than 0 and 1")
-        return out
+        alphabet = 2 if field == "mask" else 2 ** (self.bits or 8)
+        return decode_symbol_field(data, shape, alphabet)

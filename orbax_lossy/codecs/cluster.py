@@ -37,9 +37,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_lossy.codecs.base import Encoded, dataclass_config, register_codec
+from orbax_lossy.codecs.base import (
+    Encoded,
+    dataclass_config,
+    decode_symbol_field,
+    encode_symbol_field,
+    register_codec,
+)
 from orbax_lossy.codecs.lc import work_dtype
-from orbax_lossy.entropy import decode_symbols, encode_symbols
 from orbax_lossy.errors import CodecError
 
 MODES = ("direct", "delta")
@@ -220,13 +225,9 @@ class Cluster:
         return (decoded if base is None else base + decoded).astype(dtype)
 
     def host_encode(self, field: str, array: np.ndarray) -> bytes:
-        return encode_symbols(np.ascontiguousarray(array, dtype=np.uint8).reshape(-1))
+        return encode_symbol_field(array)
 
     def host_decode(
         self, field: str, data: bytes, shape: tuple[int, ...], dtype: np.dtype
     ) -> np.ndarray:
-        n = int(np.prod(shape, dtype=np.int64))
-        out = decode_symbols(data, n).reshape(shape)
-        if out.size and int(out.max()) >= 2**self.bits:
-            raise CodecError(f"cluster symbol {int(out.max())} >= 2**bits = {2**self.bits}")
-        return out
+        return decode_symbol_field(data, shape, 2**self.bits)

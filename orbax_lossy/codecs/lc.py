@@ -36,8 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_lossy.codecs.base import Encoded, dataclass_config, register_codec
-from orbax_lossy.entropy import decode_symbols, encode_symbols
+from orbax_lossy.codecs.base import (
+    Encoded,
+    dataclass_config,
+    decode_symbol_field,
+    encode_symbol_field,
+    register_codec,
+)
 from orbax_lossy.errors import CodecError
 
 
@@ -148,10 +153,9 @@ class LC:
         return (reference.astype(wd) + dequantize(fields["sym"], reps)).astype(dtype)
 
     def host_encode(self, field: str, array: np.ndarray) -> bytes:
-        return encode_symbols(np.ascontiguousarray(array, dtype=np.uint8).reshape(-1))
+        return encode_symbol_field(array)
 
     def host_decode(
         self, field: str, data: bytes, shape: tuple[int, ...], dtype: np.dtype
     ) -> np.ndarray:
-        n = int(np.prod(shape, dtype=np.int64))
-        return decode_symbols(data, n).reshape(shape)
+        return decode_symbol_field(data, shape, 2**self.bits)
