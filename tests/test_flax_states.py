@@ -176,19 +176,25 @@ TXS = {
 }
 
 
-@pytest.mark.parametrize("tx_name", sorted(TXS))
-def test_linen_train_state(tmp_path, assert_bitwise, tx_name):
-    ts, step = linen_state(TXS[tx_name]())
-    handler = ol.LossyCheckpointHandler(base_interval=4)
-    mngr = ol.checkpoint_manager(tmp_path, handler=handler, max_to_keep=None)
+def save_linen_chain(mngr, handler, ts, step, n):
+    """Train 3 steps and save, ``n`` times; the states saved and the handler's references."""
     saved, recon = {}, {}
-    for s in range(3):
+    for s in range(n):
         for _ in range(3):
             ts = step(ts)
         saved[s] = ts
         mngr.save(s, args=ol.LossySave(ts))
         recon[s] = reference(handler)
     mngr.wait_until_finished()
+    return ts, saved, recon
+
+
+@pytest.mark.parametrize("tx_name", sorted(TXS))
+def test_linen_train_state(tmp_path, assert_bitwise, tx_name):
+    ts, step = linen_state(TXS[tx_name]())
+    handler = ol.LossyCheckpointHandler(base_interval=4)
+    mngr = ol.checkpoint_manager(tmp_path, handler=handler, max_to_keep=None)
+    ts, saved, recon = save_linen_chain(mngr, handler, ts, step, 3)
     roles = {role_of(p, v) for p, v in leaves_by_path(ts).values()}
     assert "first_moment" in roles and "integer" in roles
     if tx_name != "sgd_momentum":
@@ -217,14 +223,7 @@ def test_moment_codecs_are_configurable_per_leaf(tmp_path, assert_bitwise):
     )
     handler = ol.LossyCheckpointHandler(policy, base_interval=4)
     mngr = ol.checkpoint_manager(tmp_path, handler=handler, max_to_keep=None)
-    saved, recon = {}, {}
-    for s in range(2):
-        for _ in range(3):
-            ts = step(ts)
-        saved[s] = ts
-        mngr.save(s, args=ol.LossySave(ts))
-        recon[s] = reference(handler)
-    mngr.wait_until_finished()
+    ts, saved, recon = save_linen_chain(mngr, handler, ts, step, 2)
     stats = handler.last_save_stats["leaves"]
     assert stats["opt_state/0/mu/params/Dense_0/kernel"]["codec"] == "lc"
     assert stats["opt_state/0/nu/params/Dense_0/kernel"]["codec"] == "exact"
