@@ -291,17 +291,18 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         host_fields: dict[int, dict[str, list[tuple[fmt.Box, np.ndarray]]]] = {}
         for i, name, shards in pending:
             host_fields.setdefault(i, {})[name] = [(box, np.asarray(d)) for box, d in shards]
-        flags = jax.device_get([(e["finite"], e["rel_error"], e["side"]) for e in encoded])
+        flags = jax.device_get([(e["safe"], e["rel_error"], e["side"]) for e in encoded])
 
         recon: list[Any] = [None] * len(prepared)
         jobs: list[_LeafJob] = []
         is_primary = jax.process_index() == self.primary_host
         for j, i in enumerate(device_idx):
-            finite, rel_error, side = flags[j]
+            safe, rel_error, side = flags[j]
             codec = plan[i]
             recon[i] = encoded[j]["recon"]
-            if codec.needs_reference and not bool(finite):
-                # Non-finite delta: store this leaf exactly for this save (never garbage).
+            if not bool(safe):
+                # Non-finite input or a sign-breaking reconstruction (program.encode_tree):
+                # store this leaf exactly for this save (never garbage).
                 codec = Exact()
                 arr = prepared[i]
                 shards = [s for s in arr.addressable_shards if s.replica_id == 0]

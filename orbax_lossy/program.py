@@ -44,6 +44,21 @@ def _finite(value: jax.Array, reference: jax.Array | None) -> jax.Array:
     return ok
 
 
+def _sign_safe(value: jax.Array, recon: jax.Array) -> jax.Array:
+    """False when ``value`` is non-negative but ``recon`` is not, or zeroes a positive element.
+
+    A non-negative leaf (Adam's second moment, a variance, a positive scale) must decode
+    non-negative, and positive wherever the value is positive: Adam divides by
+    ``sqrt(nu) + eps``, so a second moment decoded as 0 (or negative) turns a small update
+    into a huge one (or NaN).
+    """
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        return jnp.ones((), jnp.bool_)
+    nonnegative = jnp.all(value >= 0)
+    kept = jnp.all(recon >= 0) & jnp.all((value <= 0) | (recon > 0))
+    return ~nonnegative | kept
+
+
 @functools.partial(jax.jit, static_argnames=("plan", "shardings"))
 def encode_tree(
     values: Sequence[jax.Array],
@@ -52,22 +67,30 @@ def encode_tree(
     plan: tuple[Codec, ...],
     shardings: tuple[jax.sharding.Sharding | None, ...],
 ) -> list[dict[str, Any]]:
-    """Encode every leaf; returns per leaf ``{fields, side, recon, finite, rel_error}``.
+    """Encode every leaf; returns per leaf ``{fields, side, recon, safe, rel_error}``.
 
-    A leaf whose value or reference is not finite is reconstructed as the value itself
-    (``finite`` is False); the handler then stores it exactly.
+    A lossy or delta codec's output is *guarded*: when the value or the reference is not
+    finite, or the reconstruction breaks the sign of a non-negative leaf (see
+    :func:`_sign_safe`), ``safe`` is False, the reconstruction is the value itself, and the
+    handler stores the leaf exactly for this save (never garbage, never a wrong sign).
     """
     out = []
     for value, ref, codec, sharding in zip(values, references, plan, shardings, strict=True):
-        enc = codec.device_encode(value, ref if codec.needs_reference else None)
-        finite = _finite(value, ref if codec.needs_reference else None)
-        recon = jnp.where(finite, enc.recon, value) if codec.needs_reference else enc.recon
+        ref = ref if codec.needs_reference else None
+        enc = codec.device_encode(value, ref)
+        recon = enc.recon
+        safe = jnp.ones((), jnp.bool_)
+        if codec.lossy or codec.needs_reference:
+            safe = _finite(value, ref)
+            if codec.lossy:
+                safe &= _sign_safe(value, recon)
+            recon = jnp.where(safe, recon, value)
         out.append(
             {
                 "fields": {k: _constrain(v, sharding) for k, v in enc.fields.items()},
                 "side": enc.side,
                 "recon": _constrain(recon, sharding),
-                "finite": finite,
+                "safe": safe,
                 "rel_error": _relative_error(value, recon),
             }
         )

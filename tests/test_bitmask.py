@@ -106,7 +106,7 @@ def test_through_the_tree_program_and_registry(assert_bitwise):
     ref, value = sparse_update((33, 17), jnp.bfloat16, 0.1, seed=4)
     plan = (Bitmask(), Bitmask(bits=4))
     out = program.encode_tree([value, value], [ref, ref], plan=plan, shardings=(None, None))
-    assert bool(out[0]["finite"]) and float(out[0]["rel_error"]) == 0.0
+    assert bool(out[0]["safe"]) and float(out[0]["rel_error"]) == 0.0
     assert_bitwise(out[0]["recon"], value, "exact")
     dec = program.decode_tree(
         [o["fields"] for o in out], [o["side"] for o in out], [ref, ref], plan=plan,

@@ -117,7 +117,8 @@ def test_degenerate_leaves():
 def test_config_and_bad_parameters():
     for codec in (Cluster(), Cluster(bits=4, domain="log", iters=3, sample=512)):
         assert codec_from_config(codec_config(codec)) == codec
-        assert Cluster.needs_reference
+        assert codec.lossy and not codec.needs_reference  # direct: usable on base saves
+    assert Cluster(mode="delta").needs_reference
     for kwargs in ({"bits": 0}, {"bits": 9}, {"domain": "sqrt"}, {"mode": "x"},
                    {"domain": "log", "mode": "delta"}, {"sample": 4}):
         with pytest.raises(CodecError):
@@ -125,3 +126,24 @@ def test_config_and_bad_parameters():
     with pytest.raises(FormatError, match="outside the alphabet"):  # corrupted stored symbols
         Cluster(bits=2).host_decode("sym", Cluster().host_encode("sym", np.full(4, 9, np.uint8)),
                                     (4,), np.dtype(np.uint8))
+
+
+def test_direct_cluster_codes_base_saves_and_restores_from_the_newest_link(tmp_path):
+    import orbax_lossy as ol
+
+    rng = np.random.default_rng(5)
+    nu = jnp.asarray(np.exp(rng.normal(size=(128, 64)) * 2), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((128, 64)), jnp.float32)
+    policy = ol.LeafPolicy.create(rules=[("nu", Cluster(6, domain="log"))])
+    mngr = ol.checkpoint_manager(tmp_path, policy=policy, base_interval=3, max_to_keep=None)
+    for step in range(3):
+        mngr.save(step, args=ol.LossySave({"w": w + step * 1e-3, "nu": nu * (1 + step / 10)}))
+        mngr.wait_until_finished()
+    rows = {r["path"]: r for r in ol.checkpoint_stats(tmp_path / "0" / "default")}
+    assert rows["nu"]["codec"]["id"] == "cluster" and rows["w"]["codec"] == {"id": "exact"}
+    assert 0 < rows["nu"]["rel_error"] < 0.2 and rows["nu"]["ratio"] > 3
+    restored = mngr.restore(2, args=ol.LossyRestore())
+    mngr.close()
+    got = np.asarray(restored["nu"])
+    assert got.min() > 0
+    assert np.linalg.norm(got - nu * 1.2) / np.linalg.norm(nu * 1.2) < 0.2

@@ -53,6 +53,28 @@ def test_envelope_round_trip_and_corruption() -> None:
         fmt.unpack_envelope(msgpack.packb(outer), "manifest", "x")
 
 
+def test_envelope_body_is_compressed_and_version_1_still_reads() -> None:
+    body = {"leaves": [{"path": [["a", "params"], ["d", f"Dense_{i}"]], "codec": {"id": "lc"}}
+                       for i in range(200)]}
+    data = fmt.pack_envelope("manifest", body)
+    assert len(data) * 4 < len(msgpack.packb(body))
+    assert msgpack.unpackb(data)["encoding"] == "zlib"
+    # A version-1 envelope (uncompressed body, no encoding key) still reads.
+    plain = msgpack.packb(body)
+    v1 = msgpack.packb({"magic": fmt.MAGIC, "kind": "manifest", "version": 1,
+                        "crc32": fmt.crc32(plain), "body": plain})
+    assert fmt.unpack_envelope(v1, "manifest", "x") == body
+    # A compressed body cut short (checksum recomputed: a writer bug, not bit rot) is refused.
+    outer = msgpack.unpackb(data)
+    outer["body"] = outer["body"][: len(outer["body"]) // 2]
+    outer["crc32"] = fmt.crc32(outer["body"])
+    with pytest.raises(ol.FormatError, match="x: compressed body"):
+        fmt.unpack_envelope(msgpack.packb(outer), "manifest", "x")
+    outer["encoding"] = "lz77"
+    with pytest.raises(ol.UnsupportedVersionError, match="encoding"):
+        fmt.unpack_envelope(msgpack.packb(outer), "manifest", "x")
+
+
 def _save_two(tmp_path):
     rng = np.random.default_rng(0)
     state = {
@@ -172,7 +194,7 @@ def test_manifest_records_format_codecs_and_grid(tmp_path) -> None:
     assert base["kind"] == "base" and base["reference"] is None
     assert delta["kind"] == "delta" and delta["reference"]["step"] == 0
     codecs = {tuple(k for _, k in leaf["path"]): leaf["codec"] for leaf in delta["leaves"]}
-    assert codecs[("w",)] == {"id": "lc", "bits": 3, "stats": "leaf"}
+    assert codecs[("w",)] == {"id": "lc", "bits": 3, "stats": "leaf", "mode": "delta"}
     assert codecs[("n",)] == {"id": "exact"}
     assert all(leaf["codec"]["id"] == "exact" for leaf in base["leaves"])
     w = next(leaf for leaf in delta["leaves"] if leaf["path"] == [["d", "w"]])

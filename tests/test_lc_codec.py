@@ -172,7 +172,7 @@ def test_non_finite_delta_flags_leaf_and_keeps_value() -> None:
         [value, value + 0], [ref, None], plan=(LC(3), Exact()),
         shardings=(value.sharding, value.sharding),
     )
-    assert not bool(out[0]["finite"])
+    assert not bool(out[0]["safe"])
     np.testing.assert_array_equal(np.asarray(out[0]["recon"]), np.asarray(value))
 
 
@@ -202,3 +202,49 @@ def test_stored_symbols_outside_the_alphabet_are_rejected() -> None:
     data = LC(2).host_encode("sym", np.asarray([0, 1, 3, 5], np.uint8))
     with pytest.raises(ol.FormatError, match="outside the alphabet of 4"):
         LC(2).host_decode("sym", data, (4,), np.dtype(np.uint8))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3])
+def test_direct_mode_prunes_small_values_with_the_bucket_bound(bits: int) -> None:
+    """LC(mode="direct") quantizes the value itself: no reference, same guarantees."""
+    rng = np.random.default_rng(7)
+    value = (rng.standard_normal(5000) * np.exp(rng.normal(size=5000))).astype(np.float32)
+    codec = LC(bits, mode="direct")
+    assert not codec.needs_reference and codec.lossy
+    out = program.encode_tree([jnp.asarray(value)], [None], plan=(codec,),
+                              shardings=(jnp.asarray(value).sharding,))[0]
+    symbols, reps = np.asarray(out["fields"]["sym"]), np.asarray(out["side"]["rep"])
+    check_bounds(value, symbols, reps, bits)
+    recon = np.asarray(out["recon"])
+    np.testing.assert_array_equal(recon, reps[symbols])
+    decoded = codec.device_decode(out["fields"], out["side"], None, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(decoded), recon)
+    assert 0 < float(out["rel_error"]) < 1  # pruning the small values keeps most of the norm
+    assert bool(out["safe"])
+
+
+def test_guard_refuses_a_reconstruction_that_zeroes_a_positive_leaf() -> None:
+    """LC direct on a non-negative leaf prunes small positive elements to 0: never kept."""
+    nu = jnp.asarray(np.exp(np.random.default_rng(1).normal(size=4000) * 3), jnp.float32)
+    signed = nu - jnp.median(nu)
+    out = program.encode_tree([nu, signed], [None, None], plan=(LC(2, mode="direct"),) * 2,
+                              shardings=(nu.sharding,) * 2)
+    assert not bool(out[0]["safe"])  # the handler stores this leaf exactly
+    np.testing.assert_array_equal(np.asarray(out[0]["recon"]), np.asarray(nu))
+    assert float(out[0]["rel_error"]) == 0.0
+    assert bool(out[1]["safe"])  # a signed leaf may have elements pruned to 0
+
+
+def test_handler_stores_an_unsafe_leaf_exactly(tmp_path) -> None:
+    import orbax_lossy as ol
+
+    nu = jnp.asarray(np.exp(np.random.default_rng(2).normal(size=(64, 64)) * 3), jnp.float32)
+    policy = ol.LeafPolicy.create(rules=[("nu", LC(2, mode="direct"))])
+    mngr = ol.checkpoint_manager(tmp_path, policy=policy, max_to_keep=None)
+    mngr.save(0, args=ol.LossySave({"nu": nu}))
+    mngr.wait_until_finished()
+    (row,) = ol.checkpoint_stats(tmp_path / "0" / "default")
+    assert row["codec"] == {"id": "exact"} and row["rel_error"] == 0.0
+    restored = mngr.restore(0, args=ol.LossyRestore())
+    mngr.close()
+    np.testing.assert_array_equal(np.asarray(restored["nu"]), np.asarray(nu))

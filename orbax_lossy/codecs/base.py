@@ -34,8 +34,17 @@ class Encoded(NamedTuple):
 
 
 class Codec(Protocol):
+    """``needs_reference``: decoding needs the previous reconstruction (a delta codec; never
+    used on base saves). ``lossy``: the reconstruction may differ from the value (the handler
+    then guards it, see :func:`orbax_lossy.program.encode_tree`)."""
+
     codec_id: ClassVar[str]
-    needs_reference: ClassVar[bool]
+
+    @property
+    def needs_reference(self) -> bool: ...
+
+    @property
+    def lossy(self) -> bool: ...
 
     def config(self) -> dict[str, Any]: ...
 

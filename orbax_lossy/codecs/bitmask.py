@@ -83,6 +83,10 @@ class Bitmask:
     codec_id: ClassVar[str] = "bitmask"
     needs_reference: ClassVar[bool] = True
 
+    @property
+    def lossy(self) -> bool:
+        return self.bits is not None
+
     def __post_init__(self) -> None:
         if self.bits is not None and (
             not isinstance(self.bits, int) or isinstance(self.bits, bool) or not 1 <= self.bits <= 8

@@ -23,9 +23,9 @@ Device half (pure JAX, traced into the tree-wide jitted program):
    element of a log-domain leaf decodes strictly positive and finite. Decode is one gather
    (plus the reference in delta mode), the very expression the reconstruction used.
 
-The codec is lossy, so it declares ``needs_reference = True`` (bases stay lossless: the
-handler uses :class:`~orbax_lossy.codecs.exact.Exact` on base saves); direct mode ignores the
-reference it is given. Symbols are uint8, entropy coded.
+Direct mode codes the value alone (``needs_reference`` is False), so a policy may use it on
+base saves too (:class:`~orbax_lossy.adaptive.AdaptivePolicy` does for optimizer moments);
+delta mode needs the previous reconstruction. Symbols are uint8, entropy coded.
 """
 
 from __future__ import annotations
@@ -175,7 +175,11 @@ class Cluster:
     sample: int = 1 << 16
 
     codec_id: ClassVar[str] = "cluster"
-    needs_reference: ClassVar[bool] = True
+    lossy: ClassVar[bool] = True
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.mode == "delta"
 
     def __post_init__(self) -> None:
         if not isinstance(self.bits, int) or isinstance(self.bits, bool) or not (

@@ -24,6 +24,7 @@ class Exact:
 
     codec_id: ClassVar[str] = "exact"
     needs_reference: ClassVar[bool] = False
+    lossy: ClassVar[bool] = False
 
     def config(self) -> dict[str, Any]:
         return {}

@@ -17,6 +17,14 @@ Device half (pure JAX, traced into the tree-wide jitted program):
    the relative error of every kept element strictly below 50%, and the sign never flips.
 5. ``recon = (reference + rep[symbol]).astype(dtype)``; restore runs the same expression.
 
+``mode="direct"`` applies the same quantizer to the value itself instead of a delta (the issue's
+"moments through LC, direct or delta"): priority promotion then keeps the ``2**bits - 1``
+largest-exponent buckets of the value and sends every smaller element to 0 - magnitude pruning
+with a bound, in the spirit of ExCP's momentum shrinking. It needs no reference, so it can be
+used on base saves; it suits signed leaves such as Adam's first moment, never a second moment
+(a positive element pruned to 0 is refused by the handler's guard, which then stores the leaf
+exactly).
+
 Statistics are **per leaf** (not per block): a leaf's deltas share one scale regime, the
 representative table costs ``2**bits`` floats per leaf instead of per block, and - most
 important for sharded arrays - the bucket choice is one global reduction per leaf, so every
@@ -123,15 +131,24 @@ class LC:
 
     bits: int = 3
     stats: str = "leaf"
+    mode: str = "delta"
 
     codec_id: ClassVar[str] = "lc"
-    needs_reference: ClassVar[bool] = True
+    lossy: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
+        if not isinstance(self.bits, int) or isinstance(self.bits, bool) or not (
+            1 <= self.bits <= 8
+        ):
             raise CodecError(f"LC bits must be an int in 1..8, got {self.bits!r}")
         if self.stats != "leaf":
             raise CodecError(f"LC statistics scope {self.stats!r} is not supported")
+        if self.mode not in ("delta", "direct"):
+            raise CodecError(f"LC mode must be 'delta' or 'direct', got {self.mode!r}")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.mode == "delta"
 
     def config(self) -> dict[str, Any]:
         return dataclass_config(self)
@@ -140,7 +157,15 @@ class LC:
         return {"sym": np.dtype(np.uint8)}
 
     def device_encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded:
+        if not jnp.issubdtype(value.dtype, jnp.floating):
+            raise CodecError(f"LC codes floating-point leaves, got {value.dtype}")
         wd = work_dtype(value.dtype)
+        if self.mode == "direct":
+            symbols, reps = promote(value.astype(wd), self.bits)
+            recon = dequantize(symbols, reps).astype(value.dtype)
+            return Encoded(fields={"sym": symbols}, side={"rep": reps}, recon=recon)
+        if reference is None:
+            raise CodecError("LC mode='delta' needs a reference")
         ref = reference.astype(wd)
         delta = value.astype(wd) - ref
         symbols, reps = promote(delta, self.bits)
@@ -150,6 +175,8 @@ class LC:
     def device_decode(self, fields, side, reference, dtype) -> jax.Array:
         wd = work_dtype(dtype)
         reps = side["rep"].astype(wd)
+        if self.mode == "direct":
+            return dequantize(fields["sym"], reps).astype(dtype)
         return (reference.astype(wd) + dequantize(fields["sym"], reps)).astype(dtype)
 
     def host_encode(self, field: str, array: np.ndarray) -> bytes:
