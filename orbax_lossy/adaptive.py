@@ -1,39 +1,48 @@
 """``AdaptivePolicy``: a per-leaf, per-save codec choice from measured statistics (BitSnap).
 
-On every delta save, one small jitted program (:func:`leaf_statistics`) reads all float leaves
-and their references once and returns, per leaf, a handful of global reductions:
+On every save, one small jitted program per leaf shape (:func:`leaf_statistics`) reads the
+float leaves (and, on delta saves, their references) once and returns, per leaf, a handful of
+global reductions:
 
-* ``finite``: value and reference are finite;
-* ``changed``: how many elements differ bitwise from the reference, and ``plane_nonzero[j]``:
-  how many bytes of plane ``j`` of ``value XOR reference`` are non-zero;
-* ``value_sq`` = ||value||^2, ``value_min``;
+* ``finite``: value (and reference) are finite; ``value_sq`` = ||value||^2, ``value_min``
+  (clamped at 0: only its sign is used);
 * ``value_hist``: histogram of the values' (sign, exponent) buckets (entropy of exponents);
-* the LC bucket table of the delta (count, sum of squares, max and min magnitude per
-  (sign, exponent) bucket);
+* ``lc_direct``: the LC bucket table of the value (count, sum, sum of squares, max and min
+  magnitude per (sign, exponent) bucket);
 * for each cluster candidate: the k-means centroids the codec would fit (same function, same
-  sample), the squared error and the symbol histogram on the strided sample.
+  sample), the squared error and the symbol histogram on the strided sample;
+* on delta saves also ``changed`` (elements that differ bitwise from the reference),
+  ``plane_nonzero[j]`` (non-zero bytes of plane ``j`` of ``value XOR reference``), ``lc`` (the
+  bucket table of the delta) and ``born`` (elements positive now, ``<= 0`` in the reference).
 
-Statistics are global reductions computed by one SPMD program, so every process receives the
+Statistics are global reductions computed by SPMD programs, so every process receives the
 same numbers; the rule below is a pure, deterministic function of them (numpy on the host, no
 randomness, fixed tie-break order), so every process makes the same plan.
 
-The rule, per float leaf (integer, bool and PRNG-key leaves are always exact; every leaf is
-exact on a base save; a leaf whose statistics are not finite is exact):
+Which leaves are priced: integer, bool and PRNG-key leaves are always exact; a leaf whose
+statistics are not finite is exact. On a **delta** save every float leaf with a reference is
+priced. On a **base** save only optimizer leaves (``first_moment``, ``second_moment``,
+``optimizer``) with a non-zero budget are priced, against direct codecs only; parameters stay
+lossless on bases (the chain's anchor).
 
 1. Price every candidate in estimated bits per element and compute or estimate its relative
    error ``||recon - value|| / ||value||`` (the handler's ``rel_error``):
 
    * ``exact`` (:class:`~orbax_lossy.codecs.exact.Exact`): ``H(sign, exponent) + mantissa
      bits``, error 0;
-   * ``bitmask`` (:class:`~orbax_lossy.codecs.bitmask.Bitmask`, exact): ``H2(p) + sum_j
-     (H2(q_j) + 8 q_j)`` with ``p`` the changed fraction and ``q_j`` the non-zero fraction of
-     XOR byte plane ``j``; error 0;
-   * ``lc`` (:class:`~orbax_lossy.codecs.lc.LC`, each ``bits`` in ``lc_bits``): the order-0
-     entropy of the symbols the promotion would produce (replayed on the bucket table) and its
-     error computed from per-bucket sums (dropped buckets contribute their sum of squares, a
-     kept bucket ``sum (x - m)^2`` with its midrange ``m``), times 2 for leaves narrower than
-     float32 (rounding of the reconstruction to the leaf dtype at most doubles the error);
-   * ``cluster`` (:class:`~orbax_lossy.codecs.cluster.Cluster`, each ``bits`` in
+   * ``bitmask`` (:class:`~orbax_lossy.codecs.bitmask.Bitmask`, exact; delta saves):
+     ``H2(p) + sum_j (H2(q_j) + 8 q_j)`` with ``p`` the changed fraction and ``q_j`` the
+     non-zero fraction of XOR byte plane ``j``; error 0;
+   * ``lc`` (:class:`~orbax_lossy.codecs.lc.LC`, each ``bits`` in ``lc_bits``; delta saves;
+     not for a non-negative leaf with ``born > 0``, whose dropped newborn elements would
+     decode to 0): the order-0 entropy of the symbols the promotion would produce (replayed
+     on the bucket table) and its error computed from per-bucket sums (dropped buckets
+     contribute their sum of squares, a kept bucket ``sum (x - m)^2`` with its midrange
+     ``m``), times 2 for leaves narrower than float32 (rounding of the reconstruction to the
+     leaf dtype at most doubles the error);
+   * ``lc direct`` (``LC(bits, mode="direct")``; ``first_moment`` and ``optimizer`` leaves
+     with negative elements): the same on the ``lc_direct`` table (magnitude pruning);
+   * ``cluster`` (:class:`~orbax_lossy.codecs.cluster.Cluster`, direct, each ``bits`` in
      ``cluster_bits``; only for optimizer moments, ``domain="log"`` for ``second_moment``
      leaves whose minimum is >= 0, linear otherwise): entropy and error measured on the
      strided sample with the exact centroids the codec will use (an estimate, not a bound).
@@ -46,7 +55,11 @@ exact on a base save; a leaf whose statistics are not finite is exact):
    (lossless is already cheap: BitSnap's sparse-update regime, no reason to lose anything)
    or at most ``lossless_slack * cost(Y)``; otherwise pick ``Y``.
    Ties go to the earlier candidate in the order exact, bitmask, lc (fewer bits first),
-   cluster (fewer bits first).
+   lc direct, cluster (fewer bits first).
+
+Whatever is picked, the handler's guard (:func:`orbax_lossy.program.encode_tree`) still
+stores a leaf exactly for that save if its reconstruction is not finite or breaks the sign of
+a non-negative leaf.
 
 This is stage-aware in BitSnap's sense without a schedule: early in training deltas are large
 (LC's error exceeds the budget, every bf16 element changes) and moments are stored exactly or
@@ -93,6 +106,16 @@ DEFAULT_BUDGETS: Mapping[str, float] = {
 
 # Cluster candidate of one leaf for the statistics program: (bits, domain).
 ClusterTrial = tuple[int, str]
+
+#: Roles priced with ``LC(mode="direct")`` (magnitude pruning of a signed value). Never a
+#: parameter (pruning small weights is not a small error in what the model computes) nor a
+#: second moment (non-negative: pruning to 0 is refused by the handler's guard).
+DIRECT_LC_ROLES = ("first_moment", "optimizer")
+
+#: Roles a base save may store lossily (with a direct codec, under the role's budget).
+#: Parameters stay lossless on bases: a base anchors the chain, and no direct codec prices a
+#: parameter within a useful budget.
+LOSSY_BASE_ROLES = ("first_moment", "second_moment", "optimizer")
 
 
 # --------------------------------------------------------------------------- device statistics
@@ -145,38 +168,47 @@ def _cluster_trial(
 @functools.partial(jax.jit, static_argnames=("trials", "iters", "sample"))
 def leaf_statistics(
     values: Sequence[jax.Array],
-    references: Sequence[jax.Array],
+    references: Sequence[jax.Array | None],
     *,
     trials: tuple[tuple[ClusterTrial, ...], ...],
     iters: int,
     sample: int,
 ) -> list[dict[str, Any]]:
-    """Statistics of every (float) leaf against its reference, in one compiled program."""
+    """Statistics of every (float) leaf, against its reference where it has one (deltas)."""
     out = []
     for value, ref, leaf_trials in zip(values, references, trials, strict=True):
-        ref = ref.astype(value.dtype)
         wd = work_dtype(value.dtype)
-        v, r = value.astype(wd), ref.astype(wd)
-        finite = jnp.all(jnp.isfinite(v)) & jnp.all(jnp.isfinite(r))
-        delta = jnp.where(finite, v - r, 0)
-        xor = (as_words(value) ^ as_words(ref)).reshape(-1)
-        width = np.dtype(value.dtype).itemsize
-        planes = jnp.stack([
-            jnp.sum((((xor >> (8 * j)) & 0xFF) != 0).astype(jnp.int32)) for j in range(width)
-        ])
-        out.append({
+        v = value.astype(wd)
+        finite = jnp.all(jnp.isfinite(v))
+        if ref is not None:
+            ref = ref.astype(value.dtype)
+            finite &= jnp.all(jnp.isfinite(ref.astype(wd)))
+        clean = jnp.where(finite, v, 0)
+        st: dict[str, Any] = {
             "finite": finite,
-            "changed": jnp.sum((xor != 0).astype(jnp.int32)),
-            "plane_nonzero": planes,
-            "value_sq": jnp.sum(jnp.square(jnp.where(finite, v, 0))),
-            "value_min": jnp.min(jnp.where(finite, v, 0)),
-            "value_hist": _value_histogram(jnp.where(finite, v, 0)),
-            "lc": _bucket_table(delta),
+            "value_sq": jnp.sum(jnp.square(clean)),
+            "value_min": jnp.min(clean, initial=0),
+            "value_hist": _value_histogram(clean),
+            "lc_direct": _bucket_table(clean),
             "cluster": [
                 _cluster_trial(jnp.where(finite, value, 0), b, d, iters, sample)
                 for b, d in leaf_trials
             ],
-        })
+        }
+        if ref is not None:
+            r = ref.astype(wd)
+            xor = (as_words(value) ^ as_words(ref)).reshape(-1)
+            width = np.dtype(value.dtype).itemsize
+            st["changed"] = jnp.sum((xor != 0).astype(jnp.int32))
+            st["plane_nonzero"] = jnp.stack([
+                jnp.sum((((xor >> (8 * j)) & 0xFF) != 0).astype(jnp.int32))
+                for j in range(width)
+            ])
+            st["lc"] = _bucket_table(jnp.where(finite, v - r, 0))
+            # elements that became positive on a zero reference: a delta codec that drops
+            # them would decode 0 where the value is positive (refused by the handler's guard)
+            st["born"] = jnp.sum(((r <= 0) & (v > 0)).astype(jnp.int32))
+        out.append(st)
     return out
 
 
@@ -269,20 +301,35 @@ def candidates(
     iters: int,
     sample: int,
 ) -> list[Candidate]:
-    """Every candidate codec of one leaf, priced (see the module docstring), in tie order."""
+    """Every candidate codec of one leaf, priced (see the module docstring), in tie order.
+
+    Delta candidates (bitmask, LC delta) need the statistics against a reference (``"lc"``);
+    on a base save only the direct ones are priced.
+    """
     itemsize = np.dtype(dtype).itemsize
     mantissa = int(jnp.finfo(dtype).nmant)
     exact_bits = min(8.0 * itemsize, entropy_bits(stats["value_hist"]) + mantissa)
-    p = float(stats["changed"]) / n
-    q = np.asarray(stats["plane_nonzero"], np.float64) / n
-    bitmask_bits = binary_entropy(p) + sum(binary_entropy(float(x)) + 8 * float(x) for x in q)
-    out = [Candidate(Exact(), exact_bits, 0.0), Candidate(Bitmask(), bitmask_bits, 0.0)]
+    out = [Candidate(Exact(), exact_bits, 0.0)]
     norm = math.sqrt(max(float(stats["value_sq"]), 0.0))
     factor = 2.0 if itemsize < 4 else 1.0
-    for b in sorted(lc_bits):
-        bpe, err_sq = lc_estimate(stats["lc"], n, b)
+
+    def lc_candidate(table: Mapping[str, np.ndarray], codec: LC) -> Candidate:
+        bpe, err_sq = lc_estimate(table, n, codec.bits)
         rel = factor * math.sqrt(err_sq) / norm if norm > 0 else (0.0 if err_sq == 0 else math.inf)
-        out.append(Candidate(LC(bits=b), bpe, rel))
+        return Candidate(codec, bpe, rel)
+
+    nonnegative = float(stats["value_min"]) >= 0
+    if "lc" in stats:
+        p = float(stats["changed"]) / n
+        q = np.asarray(stats["plane_nonzero"], np.float64) / n
+        bitmask_bits = binary_entropy(p) + sum(binary_entropy(float(x)) + 8 * float(x) for x in q)
+        out.append(Candidate(Bitmask(), bitmask_bits, 0.0))
+        if not (nonnegative and int(stats["born"]) > 0):
+            out.extend(lc_candidate(stats["lc"], LC(bits=b)) for b in sorted(lc_bits))
+    if role in DIRECT_LC_ROLES and not nonnegative:
+        out.extend(
+            lc_candidate(stats["lc_direct"], LC(bits=b, mode="direct")) for b in sorted(lc_bits)
+        )
     for (b, domain), trial in sorted(zip(trials, stats["cluster"], strict=True),
                                      key=lambda t: t[0][0]):
         val_sq = float(trial["val_sq"])
@@ -335,7 +382,7 @@ class AdaptivePolicy:
     plan_varies: ClassVar[bool] = True
 
     budgets: tuple[tuple[str, float], ...] = tuple(DEFAULT_BUDGETS.items())
-    lc_bits: tuple[int, ...] = (2, 3, 4, 6, 8)
+    lc_bits: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     cluster_bits: tuple[int, ...] = (4, 6, 8)
     lossless_slack: float = 1.25
     cheap_lossless_bits: float = 1.0
@@ -369,7 +416,10 @@ class AdaptivePolicy:
         return ()
 
     def statistics(
-        self, values: Sequence[jax.Array], references: Sequence[jax.Array], roles: Sequence[str]
+        self,
+        values: Sequence[jax.Array],
+        references: Sequence[jax.Array | None],
+        roles: Sequence[str],
     ) -> list[dict[str, Any]]:
         """Run :func:`leaf_statistics` for float leaves; numpy results, one dict per leaf."""
         # One small program per distinct (shape, dtype, sharding, trials), not one per tree:
@@ -393,19 +443,26 @@ class AdaptivePolicy:
     ) -> list[Codec]:
         """Codec of every device leaf for one save (see the module docstring for the rule)."""
         plan: list[Codec] = [Exact() for _ in values]
-        if is_base:
-            return plan
         budgets = dict(self.budgets)
-        idx = [
-            i for i, (path, v, r) in enumerate(zip(paths, values, references, strict=True))
-            if r is not None and jnp.issubdtype(v.dtype, jnp.floating)
-            and leaf_role(path, v.dtype) not in ("integer", "rng")
-            and tuple(r.shape) == tuple(v.shape)
-        ]
+
+        def priced(i: int) -> bool:
+            v, r = values[i], references[i]
+            if not jnp.issubdtype(v.dtype, jnp.floating):
+                return False
+            role = leaf_role(paths[i], v.dtype)
+            if role in ("integer", "rng"):
+                return False
+            if is_base:  # only direct lossy codecs compete with Exact on a base
+                return role in LOSSY_BASE_ROLES and float(budgets.get(role, 0.0)) > 0
+            return r is not None and tuple(r.shape) == tuple(v.shape)
+
+        idx = [i for i in range(len(values)) if priced(i)]
         if not idx:
             return plan
         roles = [leaf_role(paths[i], values[i].dtype) for i in idx]
-        stats = self.statistics([values[i] for i in idx], [references[i] for i in idx], roles)
+        stats = self.statistics(
+            [values[i] for i in idx], [None if is_base else references[i] for i in idx], roles
+        )
         for i, role, st in zip(idx, roles, stats, strict=True):
             if not bool(st["finite"]):
                 continue

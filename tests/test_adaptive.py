@@ -14,6 +14,7 @@ import pytest
 import orbax_lossy as ol
 from orbax_lossy import program
 from orbax_lossy.adaptive import AdaptivePolicy, lc_estimate, leaf_statistics
+from orbax_lossy.codecs.base import codec_from_config
 from orbax_lossy.codecs.bitmask import Bitmask
 from orbax_lossy.codecs.cluster import Cluster
 from orbax_lossy.codecs.exact import Exact
@@ -118,7 +119,13 @@ def test_rule_picks_bitmask_lc_and_exact_where_expected():
     assert plan[3] == Exact() or plan[3] == Bitmask()  # below min_size: lossless
     assert plan[4] == Exact()
     assert policy.plan(paths, values, refs, is_base=False) == plan  # deterministic
-    assert all(c == Exact() for c in policy.plan(paths, values, [None] * 5, is_base=True))
+    # base save: parameters and counters lossless, the second moment may take a direct codec
+    base = policy.plan(paths, values, [None] * 5, is_base=True)
+    assert base[0] == base[1] == base[3] == base[4] == Exact()
+    assert not base[2].needs_reference
+    assert base[2] == Exact() or base[2].domain == "log"
+    strict_base = AdaptivePolicy.create({"second_moment": 0.0})
+    assert all(c == Exact() for c in strict_base.plan(paths, values, [None] * 5, is_base=True))
     lossless = AdaptivePolicy.create({"param": 0.0, "second_moment": 0.0})
     assert all(isinstance(c, (Exact, Bitmask))
                for c in lossless.plan(paths, values, refs, is_base=False))
@@ -174,8 +181,14 @@ def test_adamw_flax_state_through_the_manager(tmp_path, assert_bitwise):
         codecs = {path_str(tuple(map(tuple, leaf["path"]))): leaf["codec"]["id"]
                   for leaf in manifest["leaves"]}
         seen |= set(codecs.values())
-        if t == 0:
-            assert set(codecs.values()) == {"exact"}
+        if t == 0:  # base: parameters exact; optimizer moments exact or a direct codec
+            for leaf in manifest["leaves"]:
+                codec = codec_from_config(leaf["codec"])
+                assert not codec.needs_reference
+                if leaf["role"] not in ("first_moment", "second_moment"):
+                    assert leaf["codec"]["id"] == "exact"
+                else:
+                    assert leaf["rel_error"] <= budgets[leaf["role"]] * 1.5
         assert codecs["step"] == "exact"
         if t > 0:
             assert codecs["frozen"] == "bitmask"
@@ -218,3 +231,24 @@ def test_adaptive_saves_compile_per_leaf_shape_and_codec_not_per_plan(tmp_path) 
     for k in w:
         np.testing.assert_array_equal(np.asarray(restored[k]),
                                       np.asarray(handler._reference.values[sorted(w).index(k)]))
+
+
+def test_first_moment_gets_pruned_direct_lc_and_newborn_second_moments_no_lc_delta():
+    rng = np.random.default_rng(4)
+    mu_ref = jnp.asarray(rng.standard_normal((256, 64)) * 1e-3, jnp.float32)
+    mu = jnp.asarray(rng.standard_normal((256, 64)) * 1e-3, jnp.float32)  # a fresh EMA
+    nu_ref = jnp.asarray(np.exp(rng.normal(-12, 1, (256, 64))), jnp.float32).at[:4].set(0.0)
+    nu = nu_ref * 0.99 + 1e-7  # the zero rows become positive ("born")
+    paths = [(("key", "opt_state"), ("key", "mu"), ("key", "w")),
+             (("key", "opt_state"), ("key", "nu"), ("key", "w"))]
+    loose = AdaptivePolicy.create({"first_moment": 1.0}, cluster_bits=(4,))
+    plan = loose.plan(paths, [mu, nu], [mu_ref, nu_ref], is_base=False)
+    assert plan[0] == LC(1, mode="direct") or plan[0] == LC(2, mode="direct")
+    assert not (isinstance(plan[1], LC) and plan[1].needs_reference)
+    stats = loose.statistics([nu], [nu_ref], ["second_moment"])[0]
+    assert int(stats["born"]) == 4 * 64
+    # with a tighter first-moment budget the choice must meet it (LC errors are computed)
+    tight = AdaptivePolicy.create({"first_moment": 0.3}, cluster_bits=())
+    (codec,) = tight.plan(paths[:1], [mu], [mu_ref], is_base=False)
+    out = program.encode_tree([mu], [mu_ref], plan=(codec,), shardings=(mu.sharding,))[0]
+    assert float(out["rel_error"]) <= 0.3 * 1.02
