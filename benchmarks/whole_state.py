@@ -19,7 +19,8 @@ The same sequence of states is then saved through plain Orbax (``ocp.CheckpointM
 * ``LC3+LC2mom``: parameters through ``LC(3)``, both moments through ``LC(2)``;
 * ``whole LC3+clu4``: ``mu`` through ``LC(3)``, ``nu`` through ``Cluster(4, domain="log")``;
 * ``adaptive``: ``AdaptivePolicy()`` (default per-role error budgets);
-* ``adaptive loose``: ``AdaptivePolicy`` with budgets 6e-2 (params), 1 (mu), 1.5e-1 (nu).
+* ``adaptive loose``: ``AdaptivePolicy`` with second-moment budget 0.5 (RMS elementwise
+  relative error) and parameter progress budget 0.7 (error / ||delta||).
 
 Bytes are bytes on disk of each checkpoint directory. ``delta x`` is the plain Orbax average
 over the mean lossy delta; ``run x`` the plain average over the lossy average over the whole run
@@ -74,11 +75,16 @@ class Workload:
     eval_loss: Callable[[train_state.TrainState], float]
 
 
-def digits_workload(hidden: int, batch: int = 64, seed: int = 0) -> Workload:
-    """The demo's digits MLP with AdamW; batch ``k`` is the demo's ``k``-th batch."""
+def digits_workload(hidden: int, steps: int, batch: int = 64, seed: int = 0) -> Workload:
+    """The demo's digits MLP with AdamW and a warmup-cosine schedule (1e-3 peak, 1e-5 end).
+
+    Batch ``k`` is a fixed function of ``k``. The schedule matters for the resume comparison:
+    at a constant learning rate the final eval loss of this small, overfitting model is chaotic
+    (Gaussian parameter noise of 3e-2 at the failure point moved it by 2.3%); with the decay it
+    moves by less than 1% under the same noise (the benchmark prints these noise-floor rows).
+    """
     x, y, x_test, y_test = demo.load_digits(seed)
-    # demo.batches is an endless deterministic stream; materialize the order once so that a
-    # resumed run can start at any step with the same data.
+    # materialize the order once so that a resumed run can start at any step with the same data
     per_epoch = len(x) // batch
     rng = np.random.default_rng(seed)
     orders: list[np.ndarray] = []
@@ -90,9 +96,17 @@ def digits_workload(hidden: int, batch: int = 64, seed: int = 0) -> Workload:
         idx = orders[i // per_epoch][(i % per_epoch) * batch : (i % per_epoch + 1) * batch]
         return jnp.asarray(x[idx]), jnp.asarray(y[idx])
 
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, max(steps // 20, 1), steps, 1e-5)
+    tx = optax.adamw(schedule, weight_decay=1e-4)
+    model = demo.MLP(hidden)
+
+    def init() -> train_state.TrainState:
+        params = model.init(jax.random.key(seed), jnp.zeros((1, 64), jnp.float32))["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
     return Workload(
-        name=f"digits MLP hidden={hidden}",
-        init=lambda: demo.create_state("adamw", hidden, seed),
+        name=f"digits MLP hidden={hidden}, warmup-cosine lr",
+        init=init,
         step_fn=lambda s, k: demo.train_step(s, *batch_of(k))[0],
         eval_loss=lambda s: demo.evaluate(s, x_test, y_test),
     )
@@ -294,7 +308,7 @@ def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
         ),
         "adaptive": ol.AdaptivePolicy(),
         "adaptive loose": ol.AdaptivePolicy.create(
-            budgets={"param": 6e-2, "first_moment": 1.0, "second_moment": 1.5e-1}
+            budgets={"second_moment": 0.5}, progress_budgets={"param": 0.7}
         ),
     }
     policies = {k: v for k, v in policies.items() if k in wanted}
@@ -430,7 +444,7 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="orbax_lossy_whole_")
     try:
         if args.only in (None, "digits"):
-            measure(digits_workload(args.hidden), args, os.path.join(root, "digits"),
+            measure(digits_workload(args.hidden, args.steps), args, os.path.join(root, "digits"),
                     args.every, pol_digits)
         if args.only in (None, "charlm"):
             work = charlm_workload(args.steps, args.d_model, args.layers,

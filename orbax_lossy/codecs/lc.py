@@ -16,6 +16,12 @@ Device half (pure JAX, traced into the tree-wide jitted program):
    magnitudes in it, with the bucket's sign. The midrange (rather than the mean) is what makes
    the relative error of every kept element strictly below 50%, and the sign never flips.
 5. ``recon = (reference + rep[symbol]).astype(dtype)``; restore runs the same expression.
+6. In a non-negative leaf (Adam's ``nu``), an element that is positive now but ``<= 0`` in the
+   reference is never dropped: it takes the smallest kept positive bucket's symbol, so it
+   decodes positive (over-estimating a second moment makes that element's step smaller, the
+   safe direction; dropping it would decode 0 and make the step huge); an element whose
+   quantized decrease would overshoot to ``<= 0`` keeps its positive reference (symbol 0).
+   Both are choices of the encoder; the decode expression is unchanged.
 
 ``mode="direct"`` applies the same quantizer to the value itself instead of a delta (the issue's
 "moments through LC, direct or delta"): priority promotion then keeps the ``2**bits - 1``
@@ -76,11 +82,15 @@ def exponent_buckets(delta: jax.Array) -> tuple[jax.Array, int]:
     return bucket, 2 * (hi - lo + 1)
 
 
-def promote(delta: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+def promote(
+    delta: jax.Array, bits: int, lift: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Exponent quantization with priority promotion.
 
     Returns ``(symbols uint8 shaped like delta, representatives [2**bits])`` where
-    ``representatives[0] == 0``. ``delta`` must be finite.
+    ``representatives[0] == 0``. ``delta`` must be finite. ``lift`` (bool, shaped like
+    ``delta``) marks positive elements that must not be dropped: those that would get symbol 0
+    get the symbol of the smallest kept positive bucket instead (when there is one).
     """
     n_symbols = 2**bits
     flat = delta.reshape(-1)
@@ -117,6 +127,11 @@ def promote(delta: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
     )
     reps = jnp.where(sign_of_symbol, -reps, reps)
     symbols = jnp.where(bucket < 0, 0, symbol_of_bucket[jnp.maximum(bucket, 0)])
+    if lift is not None:
+        positive_kept = keep & (jnp.arange(n_buckets) % 2 == 0)
+        lowest = jnp.argmax(positive_kept)  # smallest exponent first: the lowest kept bucket
+        lifted = lift.reshape(-1) & (symbols == 0) & jnp.any(positive_kept)
+        symbols = jnp.where(lifted, symbol_of_bucket[lowest], symbols)
     return symbols.astype(jnp.uint8).reshape(delta.shape), reps
 
 
@@ -167,8 +182,17 @@ class LC:
         if reference is None:
             raise CodecError("LC mode='delta' needs a reference")
         ref = reference.astype(wd)
-        delta = value.astype(wd) - ref
-        symbols, reps = promote(delta, self.bits)
+        v = value.astype(wd)
+        delta = v - ref
+        # A non-negative leaf (a second moment) must stay positive where it is positive: an
+        # element that became positive on a zero reference ("newborn") is never dropped.
+        nonnegative = jnp.all(v >= 0)
+        symbols, reps = promote(delta, self.bits, lift=(ref <= 0) & (v > 0) & nonnegative)
+        # ... and an element whose quantized decrease would overshoot to <= 0 keeps its
+        # (positive) reference instead: symbol 0, the same decode expression.
+        trial = (ref + dequantize(symbols, reps)).astype(value.dtype)
+        overshoot = nonnegative & (ref > 0) & ((trial < 0) | ((trial <= 0) & (v > 0)))
+        symbols = jnp.where(overshoot, jnp.zeros_like(symbols), symbols)
         recon = (ref + dequantize(symbols, reps)).astype(value.dtype)
         return Encoded(fields={"sym": symbols}, side={"rep": reps}, recon=recon)
 
