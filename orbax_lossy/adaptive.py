@@ -36,17 +36,21 @@ lossless on bases (the chain's anchor).
      non-zero fraction of XOR byte plane ``j``; error 0;
    * ``lc`` (:class:`~orbax_lossy.codecs.lc.LC`, each ``bits`` in ``lc_bits``; delta saves;
      for a non-negative leaf with ``born > 0`` only when a positive bucket is kept, into which
-     LC lifts the newborn elements): the order-0 entropy of the symbols the promotion would produce (replayed
-     on the bucket table) and its error computed from per-bucket sums (dropped buckets
-     contribute their sum of squares, a kept bucket ``sum (x - m)^2`` with its midrange
-     ``m``), times 2 for leaves narrower than float32 (rounding of the reconstruction to the
-     leaf dtype at most doubles the error);
+     LC lifts the newborn elements): the order-0 entropy of the symbols the promotion would
+     produce (replayed on the bucket table) and its error computed from per-bucket sums
+     (dropped buckets contribute their sum of squares, a kept bucket ``sum (x - m)^2`` with
+     its midrange ``m``), times 2 for leaves narrower than float32 (rounding of the
+     reconstruction to the leaf dtype at most doubles the error); for second moments the
+     elementwise error (below), measured by running the codec in the statistics program;
    * ``lc direct`` (``LC(bits, mode="direct")``; ``first_moment`` and ``optimizer`` leaves
      with negative elements): the same on the ``lc_direct`` table (magnitude pruning);
    * ``cluster`` (:class:`~orbax_lossy.codecs.cluster.Cluster`, direct, each ``bits`` in
      ``cluster_bits``; only for optimizer moments, ``domain="log"`` for ``second_moment``
      leaves whose minimum is >= 0, linear otherwise): entropy and error measured on the
      strided sample with the exact centroids the codec will use (an estimate, not a bound).
+
+   For ``second_moment`` leaves the error compared with the budget is the RMS of the
+   elementwise relative errors ``(recon - value) / value`` over positive elements.
 
 2. A lossy candidate is admissible when its error is at most the role's budget
    (``budgets``; a role without a budget, or with 0, is lossless only), a delta codec's error
@@ -93,14 +97,16 @@ from orbax_lossy.errors import InvalidArgumentError
 from orbax_lossy.policy import ROLES, leaf_role
 from orbax_lossy.treepaths import StoredPath
 
-#: Default relative-error budgets per role, from resume experiments
-#: (``benchmarks/whole_state.py``: AdamW, failure at 60% of training, resume from the lossy
-#: checkpoint). On the char transformer, parameter errors of 2e-2 to 5e-2 per save and second
-#: moment errors up to 1e-1 left the final eval loss within 0.4%. Adam's first moment is an EMA
-#: (beta1 = 0.9) whose error decays by 0.9 per step after a resume; a budget above 1 would admit
-#: reconstructions worse than storing zeros, so it stops at 1. (The digits MLP's final loss is
-#: too chaotic to set budgets with: Gaussian noise of 3e-2 moves it 2%, LC errors of 1e-2 by
-#: up to 10% either way; see the benchmark's noise-floor rows.)
+#: Default error budgets per role, from resume experiments (``benchmarks/whole_state.py``:
+#: AdamW, failure at 60% of training, resume from the lossy checkpoint, final eval loss).
+#: ``param`` and ``first_moment``: ``||recon - value|| / ||value||``; ``second_moment``: the RMS
+#: of the elementwise relative errors (Adam scales each element's step by ``1/sqrt(nu)``; an
+#: L2 budget of 0.1 let ``LC(2)`` freeze the small elements of the digits MLP's ``nu`` and moved
+#: its final loss by -3.2%; at 0.2 elementwise it moved +0.35%). Adam's first moment is an EMA
+#: (beta1 = 0.9) whose error decays by 0.9 per step after a resume; zeroing it moved the final
+#: loss by +0.13% (transformer) and +0.55% (digits); a budget above 1 would admit
+#: reconstructions worse than zeros, so it stops at 1 (``LC(2, mode="direct")``, about 0.9).
+#: Parameters are limited mostly by the progress budget (``DEFAULT_PROGRESS_BUDGETS``).
 DEFAULT_BUDGETS: Mapping[str, float] = {
     "param": 5e-2,
     "first_moment": 1.0,
