@@ -50,7 +50,10 @@ lossless on bases (the chain's anchor).
      strided sample with the exact centroids the codec will use (an estimate, not a bound).
 
    For ``second_moment`` leaves the error compared with the budget is the RMS of the
-   elementwise relative errors ``(recon - value) / value`` over positive elements.
+   elementwise relative errors ``(recon - value) / value`` over positive elements, and their
+   delta candidates (``LC(b)`` and ``LC(b, domain="log")`` for ``b <= 4``) are run in full in
+   the statistics program: bits are the entropy of their actual symbols, a candidate the
+   handler's guard would refuse is dropped.
 
 2. A lossy candidate is admissible when its error is at most the role's budget
    (``budgets``; a role without a budget, or with 0, is lossless only), a delta codec's error
@@ -95,6 +98,7 @@ from orbax_lossy.codecs.exact import Exact
 from orbax_lossy.codecs.lc import LC, exponent_buckets, work_dtype
 from orbax_lossy.errors import InvalidArgumentError
 from orbax_lossy.policy import ROLES, leaf_role
+from orbax_lossy.program import sign_safe
 from orbax_lossy.treepaths import StoredPath
 
 #: Default error budgets per role, from resume experiments (``benchmarks/whole_state.py``:
@@ -185,20 +189,39 @@ def _cluster_trial(
     }
 
 
-def _elementwise_rel_rms(value: jax.Array, recon: jax.Array) -> jax.Array:
-    """RMS over the positive elements of ``(recon - value) / value`` (0 if there are none).
+def _elementwise_rel_rms(
+    value: jax.Array, recon: jax.Array, where: jax.Array | None = None
+) -> jax.Array:
+    """RMS over the positive elements (within ``where``) of ``(recon - value) / value``.
 
     The error measure of second moments: Adam scales each element's step by
     ``1 / sqrt(nu)``, so what matters is every element's relative error, which an L2 error
-    relative to the whole leaf (dominated by its largest elements) does not see.
+    relative to the whole leaf (dominated by its largest elements) does not see. 0 if no
+    element counts.
     """
-    pos = value > 0
+    pos = value > 0 if where is None else (value > 0) & where
     rel = jnp.where(pos, (recon - value) / jnp.where(pos, value, 1), 0)
     count = jnp.maximum(jnp.sum(pos.astype(jnp.float32)), 1)
     return jnp.sqrt(jnp.sum(jnp.square(rel)) / count)
 
 
-@functools.partial(jax.jit, static_argnames=("trials", "iters", "sample", "lc_trials"))
+def _codec_trial(codec: LC, value: jax.Array, ref: jax.Array) -> dict[str, jax.Array]:
+    """Run ``codec`` in full: symbol histogram, elementwise error, and the handler's guard."""
+    enc = codec.device_encode(value, ref)
+    recon = enc.recon
+    wd = work_dtype(value.dtype)
+    sym = enc.fields["sym"].reshape(-1).astype(jnp.int32)
+    # Newborn elements (positive now, <= 0 in the reference) are left out: every LC variant
+    # stores them over-estimated on purpose (a smaller step; see orbax_lossy.codecs.lc), and
+    # one over-estimated tiny element would otherwise dominate the RMS.
+    return {
+        "hist": jnp.zeros((2**codec.bits,), jnp.int32).at[sym].add(1),
+        "elem_rel": _elementwise_rel_rms(value.astype(wd), recon.astype(wd), ref > 0),
+        "safe": jnp.all(jnp.isfinite(recon)) & sign_safe(value, recon),
+    }
+
+
+@functools.partial(jax.jit, static_argnames=("trials", "iters", "sample", "codec_trials"))
 def leaf_statistics(
     values: Sequence[jax.Array],
     references: Sequence[jax.Array | None],
@@ -206,17 +229,17 @@ def leaf_statistics(
     trials: tuple[tuple[ClusterTrial, ...], ...],
     iters: int,
     sample: int,
-    lc_trials: tuple[tuple[int, ...], ...] | None = None,
+    codec_trials: tuple[tuple[LC, ...], ...] | None = None,
 ) -> list[dict[str, Any]]:
     """Statistics of every (float) leaf, against its reference where it has one (deltas).
 
-    ``lc_trials[i]``: LC delta bit widths to run in full on leaf ``i`` (second moments), for
-    their elementwise relative error (``lc_elem_rel``).
+    ``codec_trials[i]``: delta codecs run in full on leaf ``i`` (second moments), measured
+    rather than estimated (``"codec_trials"``: symbol histogram, elementwise error, guard).
     """
     out = []
-    lc_trials = lc_trials or tuple(() for _ in values)
-    for value, ref, leaf_trials, leaf_lc in zip(
-        values, references, trials, lc_trials, strict=True
+    codec_trials = codec_trials or tuple(() for _ in values)
+    for value, ref, leaf_trials, leaf_codecs in zip(
+        values, references, trials, codec_trials, strict=True
     ):
         wd = work_dtype(value.dtype)
         v = value.astype(wd)
@@ -249,10 +272,7 @@ def leaf_statistics(
             # positive now, <= 0 in the reference: LC must lift these into a kept positive
             # bucket (see orbax_lossy.codecs.lc), so it needs one
             st["born"] = jnp.sum(((r <= 0) & (v > 0)).astype(jnp.int32))
-            st["lc_elem_rel"] = [
-                _elementwise_rel_rms(clean, LC(b).device_encode(value, ref).recon.astype(wd))
-                for b in leaf_lc
-            ]
+            st["codec_trials"] = [_codec_trial(c, value, ref) for c in leaf_codecs]
         out.append(st)
     return out
 
@@ -347,6 +367,7 @@ def candidates(
     trials: Sequence[ClusterTrial],
     iters: int,
     sample: int,
+    codec_trials: Sequence[Codec] = (),
 ) -> list[Candidate]:
     """Every candidate codec of one leaf, priced (see the module docstring), in tie order.
 
@@ -375,15 +396,15 @@ def candidates(
         bitmask_bits = binary_entropy(p) + sum(binary_entropy(float(x)) + 8 * float(x) for x in q)
         out.append(Candidate(Bitmask(), bitmask_bits, 0.0))
         counts = np.asarray(stats["lc"]["count"])
-        elem_rel = dict(zip(sorted(lc_bits), stats.get("lc_elem_rel", []), strict=False))
-        for b in sorted(lc_bits):
+        measured = list(zip(codec_trials, stats.get("codec_trials", []), strict=True))
+        for codec, trial in measured:  # second moments: run in full, elementwise error
+            if bool(trial["safe"]):
+                out.append(Candidate(codec, entropy_bits(trial["hist"]), float(trial["elem_rel"])))
+        for b in sorted(lc_bits) if not measured else ():
             positive_kept = lc_kept(counts, b).reshape(-1, 2)[:, 0].any()
             if nonnegative and int(stats["born"]) > 0 and not positive_kept:
                 continue  # newborn elements would decode to 0: the guard would refuse it
-            cand = lc_candidate(stats["lc"], LC(bits=b))
-            if role == "second_moment" and b in elem_rel:
-                cand = dataclasses.replace(cand, rel_error=float(elem_rel[b]))
-            out.append(cand)
+            out.append(lc_candidate(stats["lc"], LC(bits=b)))
     if role in DIRECT_LC_ROLES and not nonnegative:
         out.extend(
             lc_candidate(stats["lc_direct"], LC(bits=b, mode="direct")) for b in sorted(lc_bits)
@@ -487,10 +508,12 @@ class AdaptivePolicy:
         return cls(budgets=tuple(merged.items()), progress_budgets=tuple(progress.items()),
                    **kwargs)
 
-    def _lc_trials(self, role: str, reference: jax.Array | None) -> tuple[int, ...]:
-        if role == "second_moment" and reference is not None:
-            return tuple(sorted(self.lc_bits))
-        return ()
+    def _codec_trials(self, role: str, reference: jax.Array | None) -> tuple[LC, ...]:
+        """Delta codecs measured in full: LC linear and log domain for second moments."""
+        if role != "second_moment" or reference is None:
+            return ()
+        bits = sorted(self.lc_bits)
+        return (*(LC(b) for b in bits), *(LC(b, domain="log") for b in bits if 2 <= b <= 4))
 
     def _trials(self, role: str) -> tuple[ClusterTrial, ...]:
         if role == "second_moment":
@@ -512,7 +535,7 @@ class AdaptivePolicy:
         stats = [
             leaf_statistics(
                 [value], [ref], trials=(self._trials(role),), iters=self.iters,
-                lc_trials=(self._lc_trials(role, ref),),
+                codec_trials=(self._codec_trials(role, ref),),
                 sample=self.sample,
             )[0]
             for value, ref, role in zip(values, references, roles, strict=True)
@@ -557,7 +580,8 @@ class AdaptivePolicy:
                 trials = ()
                 st = {**st, "cluster": []}
             cands = candidates(st, n, np.dtype(values[i].dtype), role, self.lc_bits,
-                               trials, self.iters, self.sample)
+                               trials, self.iters, self.sample,
+                               self._codec_trials(role, None if is_base else references[i]))
             plan[i] = choose(cands, float(budgets.get(role, 0.0)), n >= self.min_size,
                              self.lossless_slack, self.cheap_lossless_bits,
                              float(progress.get(role, math.inf)))

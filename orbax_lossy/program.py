@@ -44,7 +44,7 @@ def _finite(value: jax.Array, reference: jax.Array | None) -> jax.Array:
     return ok
 
 
-def _sign_safe(value: jax.Array, recon: jax.Array) -> jax.Array:
+def sign_safe(value: jax.Array, recon: jax.Array) -> jax.Array:
     """False when ``value`` is non-negative but ``recon`` is not, or zeroes a positive element.
 
     A non-negative leaf (Adam's second moment, a variance, a positive scale) must decode
@@ -71,7 +71,7 @@ def encode_tree(
 
     A lossy or delta codec's output is *guarded*: when the value or the reference is not
     finite, or the reconstruction breaks the sign of a non-negative leaf (see
-    :func:`_sign_safe`), ``safe`` is False, the reconstruction is the value itself, and the
+    :func:`sign_safe`), ``safe`` is False, the reconstruction is the value itself, and the
     handler stores the leaf exactly for this save (never garbage, never a wrong sign).
     """
     out = []
@@ -83,7 +83,7 @@ def encode_tree(
         if codec.lossy or codec.needs_reference:
             safe = _finite(value, ref)
             if codec.lossy:
-                safe &= _sign_safe(value, recon)
+                safe &= sign_safe(value, recon)
             recon = jnp.where(safe, recon, value)
         out.append(
             {

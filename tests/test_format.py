@@ -194,7 +194,8 @@ def test_manifest_records_format_codecs_and_grid(tmp_path) -> None:
     assert base["kind"] == "base" and base["reference"] is None
     assert delta["kind"] == "delta" and delta["reference"]["step"] == 0
     codecs = {tuple(k for _, k in leaf["path"]): leaf["codec"] for leaf in delta["leaves"]}
-    assert codecs[("w",)] == {"id": "lc", "bits": 3, "stats": "leaf", "mode": "delta"}
+    assert codecs[("w",)] == {"id": "lc", "bits": 3, "stats": "leaf", "mode": "delta",
+                                "domain": "linear"}
     assert codecs[("n",)] == {"id": "exact"}
     assert all(leaf["codec"]["id"] == "exact" for leaf in base["leaves"])
     w = next(leaf for leaf in delta["leaves"] if leaf["path"] == [["d", "w"]])

@@ -31,6 +31,18 @@ used on base saves; it suits signed leaves such as Adam's first moment, never a 
 (a positive element pruned to 0 is refused by the handler's guard, which then stores the leaf
 exactly).
 
+``domain="log"`` (delta mode, ``bits >= 2``; for non-negative leaves such as Adam's ``nu``)
+quantizes ``log(value / reference)`` instead of the difference: buckets, promotion and
+midrange as above, on the log-ratio, so a dropped element keeps its reference within a
+relative error ``exp(2**e_min) - 1`` and every element has the same *relative* precision
+(a second moment spans many decades; a linear delta drops the small ones). The side table
+holds the factors ``exp(rep)`` (``factor[0] == 1``) and decode is one multiply,
+``min(reference * factor[symbol], max)``, the same IEEE expression on every backend. The top
+symbol is reserved for elements that are positive now but ``<= 0`` in the reference (no
+ratio): they decode to the largest such value (``side["born"]``); the next save corrects them.
+An element that drops to exactly 0 keeps its reference (the guard accepts it: the value is
+not positive).
+
 Statistics are **per leaf** (not per block): a leaf's deltas share one scale regime, the
 representative table costs ``2**bits`` floats per leaf instead of per block, and - most
 important for sharded arrays - the bucket choice is one global reduction per leaf, so every
@@ -83,7 +95,7 @@ def exponent_buckets(delta: jax.Array) -> tuple[jax.Array, int]:
 
 
 def promote(
-    delta: jax.Array, bits: int, lift: jax.Array | None = None
+    delta: jax.Array, bits: int, lift: jax.Array | None = None, reserve: int = 0
 ) -> tuple[jax.Array, jax.Array]:
     """Exponent quantization with priority promotion.
 
@@ -91,8 +103,9 @@ def promote(
     ``representatives[0] == 0``. ``delta`` must be finite. ``lift`` (bool, shaped like
     ``delta``) marks positive elements that must not be dropped: those that would get symbol 0
     get the symbol of the smallest kept positive bucket instead (when there is one).
+    ``reserve`` top symbols are left unused (needs ``2**bits - 1 - reserve >= 1``).
     """
-    n_symbols = 2**bits
+    n_symbols = 2**bits - reserve
     flat = delta.reshape(-1)
     bucket, n_buckets = exponent_buckets(flat)
     seg = jnp.where(bucket < 0, n_buckets, bucket)  # zeros go to a dropped extra segment
@@ -119,10 +132,10 @@ def promote(
     symbol_of_bucket = jnp.where(keep, rank, 0)
     midrange = (max_mag + min_mag) * jnp.asarray(0.5, mag.dtype)
     signed = jnp.where(jnp.arange(n_buckets) % 2 == 1, -midrange, midrange)
-    reps = jnp.zeros((n_symbols,), mag.dtype).at[symbol_of_bucket].max(
+    reps = jnp.zeros((2**bits,), mag.dtype).at[symbol_of_bucket].max(
         jnp.where(keep, jnp.abs(signed), 0)
     )
-    sign_of_symbol = jnp.zeros((n_symbols,), jnp.bool_).at[symbol_of_bucket].max(
+    sign_of_symbol = jnp.zeros((2**bits,), jnp.bool_).at[symbol_of_bucket].max(
         keep & (jnp.arange(n_buckets) % 2 == 1)
     )
     reps = jnp.where(sign_of_symbol, -reps, reps)
@@ -147,6 +160,7 @@ class LC:
     bits: int = 3
     stats: str = "leaf"
     mode: str = "delta"
+    domain: str = "linear"
 
     codec_id: ClassVar[str] = "lc"
     lossy: ClassVar[bool] = True
@@ -160,6 +174,10 @@ class LC:
             raise CodecError(f"LC statistics scope {self.stats!r} is not supported")
         if self.mode not in ("delta", "direct"):
             raise CodecError(f"LC mode must be 'delta' or 'direct', got {self.mode!r}")
+        if self.domain not in ("linear", "log"):
+            raise CodecError(f"LC domain must be 'linear' or 'log', got {self.domain!r}")
+        if self.domain == "log" and (self.mode != "delta" or self.bits < 2):
+            raise CodecError("LC domain='log' codes ratios to a reference: mode='delta', bits >= 2")
 
     @property
     def needs_reference(self) -> bool:
@@ -181,6 +199,8 @@ class LC:
             return Encoded(fields={"sym": symbols}, side={"rep": reps}, recon=recon)
         if reference is None:
             raise CodecError("LC mode='delta' needs a reference")
+        if self.domain == "log":
+            return self._encode_log(value, reference)
         ref = reference.astype(wd)
         v = value.astype(wd)
         delta = v - ref
@@ -193,11 +213,35 @@ class LC:
         trial = (ref + dequantize(symbols, reps)).astype(value.dtype)
         overshoot = nonnegative & (ref > 0) & ((trial < 0) | ((trial <= 0) & (v > 0)))
         symbols = jnp.where(overshoot, jnp.zeros_like(symbols), symbols)
-        recon = (ref + dequantize(symbols, reps)).astype(value.dtype)
+        # symbol 0 decodes to ref + 0.0, which is ref itself where ref > 0
+        recon = jnp.where(overshoot, ref.astype(value.dtype), trial)
         return Encoded(fields={"sym": symbols}, side={"rep": reps}, recon=recon)
+
+    def _encode_log(self, value: jax.Array, reference: jax.Array) -> Encoded:
+        """Log domain: quantize ``log(value / reference)``; see the module docstring."""
+        wd = work_dtype(value.dtype)
+        v, r = value.astype(wd), reference.astype(wd)
+        both = (v > 0) & (r > 0)
+        born = (r <= 0) & (v > 0)
+        ratio = jnp.log(jnp.where(both, v, 1)) - jnp.log(jnp.where(both, r, 1))
+        symbols, log_reps = promote(jnp.where(both, ratio, 0), self.bits, reserve=1)
+        symbols = jnp.where(born, jnp.uint8(2**self.bits - 1), symbols)
+        factor = jnp.exp(log_reps).at[0].set(1).at[-1].set(1)
+        # one value for every newborn element: the largest (over-estimating a second moment
+        # makes the step smaller); the next save corrects it as an ordinary ratio
+        newborn = jnp.max(jnp.where(born, v, 0), initial=0).reshape(1)
+        side = {"factor": factor, "born": newborn}
+        fields = {"sym": symbols}
+        return Encoded(fields, side, self.device_decode(fields, side, reference, value.dtype))
 
     def device_decode(self, fields, side, reference, dtype) -> jax.Array:
         wd = work_dtype(dtype)
+        if self.domain == "log":
+            ref = reference.astype(wd)
+            scaled = ref * side["factor"].astype(wd)[fields["sym"].astype(jnp.int32)]
+            scaled = jnp.minimum(scaled, jnp.asarray(float(jnp.finfo(dtype).max), wd))
+            born = fields["sym"] == 2**self.bits - 1
+            return jnp.where(born, side["born"].astype(wd)[0], scaled).astype(dtype)
         reps = side["rep"].astype(wd)
         if self.mode == "direct":
             return dequantize(fields["sym"], reps).astype(dtype)
