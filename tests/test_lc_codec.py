@@ -248,3 +248,48 @@ def test_handler_stores_an_unsafe_leaf_exactly(tmp_path) -> None:
     restored = mngr.restore(0, args=ol.LossyRestore())
     mngr.close()
     np.testing.assert_array_equal(np.asarray(restored["nu"]), np.asarray(nu))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_log_domain_bounds_ratios_keeps_positive_and_decodes_bit_identically(bits: int) -> None:
+    """LC(domain="log") quantizes log(value / reference) with the bucket bound."""
+    rng = np.random.default_rng(bits)
+    ref = np.exp(rng.normal(-12, 3, (400, 32))).astype(np.float32)
+    ref[:2] = 0.0  # never-updated rows of a second moment
+    value = ref * np.exp(rng.normal(0, 0.05, ref.shape)).astype(np.float32)
+    value[0] = 1e-9  # newborn: positive now, zero in the reference
+    value[5, :3] = 0.0  # an element that drops to exactly 0 keeps its reference
+    codec = LC(bits, domain="log")
+    v, r = jnp.asarray(value), jnp.asarray(ref)
+    out = program.encode_tree([v], [r], plan=(codec,), shardings=(v.sharding,))[0]
+    assert bool(out["safe"])
+    recon = np.asarray(out["recon"])
+    decoded = codec.device_decode(out["fields"], out["side"], r, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(decoded), recon)
+    symbols = np.asarray(out["fields"]["sym"])
+    factor = np.asarray(out["side"]["factor"])
+    assert factor[0] == 1.0
+    both = (value > 0) & (ref > 0)
+    ratio = np.log(value[both].astype(np.float64) / ref[both])
+    # kept ratios: relative error of the log-ratio < 50%, dropped: below every kept edge
+    kept = symbols[both] > 0
+    got = np.log(recon[both].astype(np.float64) / ref[both])
+    if kept.any():
+        assert np.all(np.abs(got[kept] - ratio[kept]) <= 0.5 * np.abs(ratio[kept]) + 1e-6)
+        # (the codec takes float32 logs of values near e**-12: ~1e-6 absolute error, so a
+        # ratio within 1e-5 of a bucket edge may sit on either side of it)
+        edge = np.min(2.0 ** (np.frexp(np.abs(ratio[kept]) + 1e-5)[1] - 1))
+        assert np.abs(ratio[~kept]).max(initial=0) < edge + 1e-5
+    np.testing.assert_array_equal(recon[both][~kept], ref[both][~kept])  # factor 1: exact
+    assert np.all(recon[0] == value[0].max()) and np.all(recon[1] == 0)  # newborn; still 0
+    np.testing.assert_array_equal(recon[5, :3], ref[5, :3])
+    assert recon.min() >= 0 and np.all(recon[value > 0] > 0)
+
+
+def test_log_domain_parameters_are_validated() -> None:
+    from orbax_lossy.errors import CodecError
+
+    for kwargs in ({"domain": "sqrt"}, {"domain": "log", "mode": "direct"},
+                   {"domain": "log", "bits": 1}):
+        with pytest.raises(CodecError):
+            LC(**kwargs)
