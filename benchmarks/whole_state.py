@@ -354,6 +354,10 @@ def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
                 notes.append("adaptive codec choices over all delta saves (leaf count): "
                              + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
             shutil.rmtree(d, ignore_errors=True)
+            # Free the compiled programs of this configuration: on CPU every XLA executable
+            # holds memory maps, and the adaptive policy compiles one small program per leaf
+            # shape and codec; ten configurations in one process reach Linux's 65530-map limit.
+            jax.clear_caches()
 
     print(f"{'policy':<16} {'base/':>5} {'base B':>9} {'delta B':>8} {'run avg B':>9} "
           f"{'delta x':>8} {'run x':>6} {'steady x':>8} {'resumed':>8} {'diff %':>7} "

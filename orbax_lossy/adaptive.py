@@ -51,9 +51,9 @@ lossless on bases (the chain's anchor).
 
    For ``second_moment`` leaves the error compared with the budget is the RMS of the
    elementwise relative errors ``(recon - value) / value`` over positive elements, and their
-   delta candidates (``LC(b)`` and ``LC(b, domain="log")`` for ``b <= 4``) are run in full in
-   the statistics program: bits are the entropy of their actual symbols, a candidate the
-   handler's guard would refuse is dropped.
+   delta candidates are ``LC(b)`` and ``LC(b, domain="log")`` for ``b`` in ``lc_bits`` up to
+   4, run in full in the statistics program: bits are the entropy of their actual symbols,
+   and a candidate the handler's guard would refuse is dropped.
 
 2. A lossy candidate is admissible when its error is at most the role's budget
    (``budgets``; a role without a budget, or with 0, is lossless only), a delta codec's error
@@ -512,8 +512,10 @@ class AdaptivePolicy:
         """Delta codecs measured in full: LC linear and log domain for second moments."""
         if role != "second_moment" or reference is None:
             return ()
-        bits = sorted(self.lc_bits)
-        return (*(LC(b) for b in bits), *(LC(b, domain="log") for b in bits if 2 <= b <= 4))
+        # bits <= 4 only: each trial is traced into the statistics program of every leaf
+        # shape (compile time, and on CPU each compiled program holds memory maps)
+        bits = [b for b in sorted(self.lc_bits) if 2 <= b <= 4]
+        return (*(LC(b) for b in bits), *(LC(b, domain="log") for b in bits))
 
     def _trials(self, role: str) -> tuple[ClusterTrial, ...]:
         if role == "second_moment":
