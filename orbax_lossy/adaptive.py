@@ -411,11 +411,12 @@ def candidates(
         )
     for (b, domain), trial in sorted(zip(trials, stats["cluster"], strict=True),
                                      key=lambda t: t[0][0]):
-        val_sq = float(trial["val_sq"])
-        err = math.sqrt(max(float(trial["err_sq"]), 0.0))
-        rel = err / math.sqrt(val_sq) if val_sq > 0 else (0.0 if err == 0 else math.inf)
         if role == "second_moment":
             rel = float(trial["elem_rel"])
+        else:
+            val_sq = float(trial["val_sq"])
+            err = math.sqrt(max(float(trial["err_sq"]), 0.0))
+            rel = err / math.sqrt(val_sq) if val_sq > 0 else (0.0 if err == 0 else math.inf)
         codec = Cluster(bits=b, domain=domain, iters=iters, sample=sample)
         out.append(Candidate(codec, entropy_bits(trial["hist"]), rel))
     return out
