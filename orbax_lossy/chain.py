@@ -68,6 +68,9 @@ class ChainPreservationPolicy:
     directory: str | os.PathLike
     item_name: str = "default"
 
+    def __post_init__(self) -> None:
+        self.handler.protect_chains(self.directory)
+
     def dependency(self, step: int, step_dirs: dict[int, str] | None = None) -> int | None:
         root = os.path.normpath(os.fspath(self.directory))
         try:

@@ -21,6 +21,7 @@ import math
 import os
 import re
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -94,6 +95,10 @@ def step_of(item_dir: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _root_key(root: os.PathLike | str) -> str:
+    return os.path.normpath(os.path.abspath(final_path(root)))
+
+
 def _dtype_name(dtype: Any) -> str:
     return np.dtype(dtype).name if not isinstance(dtype, str) else dtype
 
@@ -130,6 +135,12 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
       primary_host: the process that writes the manifest (match the manager's
         ``MultiprocessingOptions.primary_host``).
       encode_threads: threads for entropy coding in the background commit.
+      unmanaged_deltas: take deltas in any directory, even where no
+        :class:`~orbax_lossy.ChainPreservationPolicy` keeps the steps they depend on. Off by
+        default: Orbax's own retention (``max_to_keep``, ``LatestN``, ...) deletes steps that
+        later deltas need, so outside a chain-aware manager every save is a self-contained
+        base (with a one-time warning). Turn it on only when nothing deletes old steps (a bare
+        ``ocp.Checkpointer``, your own retention that keeps dependencies).
     """
 
     def __init__(
@@ -141,6 +152,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         reference_on_host: bool = False,
         primary_host: int = 0,
         encode_threads: int | None = None,
+        unmanaged_deltas: bool = False,
     ) -> None:
         if not isinstance(base_interval, int) or base_interval < 1:
             raise InvalidArgumentError(f"base_interval must be an int >= 1, got {base_interval!r}")
@@ -154,6 +166,9 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         self.reference_on_host = reference_on_host
         self.primary_host = primary_host
         self.encode_threads = encode_threads or min(4, os.cpu_count() or 1)
+        self.unmanaged_deltas = bool(unmanaged_deltas)
+        self._protected_roots: set[str] = set()
+        self._warned_roots: set[str] = set()
         self._reference: _Reference | None = None
         self._dependencies: dict[tuple[str, int], int | None] = {}
         self._lock = threading.Lock()
@@ -179,6 +194,35 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         with self._lock:
             self._dependencies[(root, step)] = ref_step
 
+    def protect_chains(self, root: os.PathLike | str) -> None:
+        """Allow deltas under ``root``: its retention keeps every step a kept step needs.
+
+        :class:`~orbax_lossy.ChainPreservationPolicy` calls this for its manager's directory.
+        """
+        with self._lock:
+            self._protected_roots.add(_root_key(root))
+
+    def chains_protected(self, root: os.PathLike | str) -> bool:
+        """Whether deltas may be taken under ``root`` (see ``unmanaged_deltas``)."""
+        with self._lock:
+            return self.unmanaged_deltas or _root_key(root) in self._protected_roots
+
+    def _warn_unprotected(self, root: str) -> None:
+        with self._lock:
+            if root in self._warned_roots:
+                return
+            self._warned_roots.add(root)
+        warnings.warn(
+            f"orbax_lossy: {root} is not managed by a ChainPreservationPolicy, so Orbax's "
+            "retention could delete steps that delta checkpoints depend on; every save there is "
+            "a self-contained base. To enable delta chains, build the manager with "
+            "ol.checkpoint_manager(directory, ...) (extra items: items={...}), or wrap its "
+            "preservation policy in ol.ChainPreservationPolicy(inner, handler, directory), or "
+            "pass LossyCheckpointHandler(unmanaged_deltas=True) if nothing deletes old steps.",
+            UserWarning,
+            stacklevel=2,
+        )
+
     def reset_reference(self) -> None:
         """Forget the reference: the next save is a full base."""
         self._reference = None
@@ -201,6 +245,10 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             return None
         # The reference must have been committed (a failed save leaves no manifest).
         if not os.path.exists(os.path.join(ref.item_dir, fmt.MANIFEST_NAME)):
+            return None
+        root = os.path.dirname(os.path.dirname(item_dir))
+        if not self.chains_protected(root):
+            self._warn_unprotected(_root_key(root))
             return None
         return ref
 

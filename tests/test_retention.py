@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -152,9 +153,25 @@ def test_policy_rebuilds_dependencies_from_disk_after_restart(tmp_path):
     assert read_manifest(tmp_path / "4" / "default")["reference"]["step"] == 3
 
 
-def test_without_the_chain_policy_latest_n_breaks_the_chain(tmp_path):
-    """Control: the property above is not vacuous."""
+def test_without_the_chain_policy_saves_are_self_contained_and_warn(tmp_path):
+    """A plain manager with Orbax's own retention: no step may become unrestorable."""
     handler = ol.LossyCheckpointHandler(base_interval=10)
+    registry = ocp.handlers.create_default_handler_registry(default=handler)
+    options = ocp.CheckpointManagerOptions(preservation_policy=P.LatestN(1))
+    with ocp.CheckpointManager(tmp_path, options=options, handler_registry=registry) as mngr:
+        with pytest.warns(UserWarning, match="ChainPreservationPolicy"):
+            for step in range(3):
+                mngr.save(step, args=ol.LossySave(state_at(step)))
+            mngr.wait_until_finished()
+        assert mngr.all_steps() == [2]
+        assert read_manifest(tmp_path / "2" / "default")["kind"] == "base"
+        restored = mngr.restore(2)
+        np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(state_at(2)["w"]))
+
+
+def test_unmanaged_deltas_opt_in_breaks_the_chain(tmp_path):
+    """Control: with deltas forced on, LatestN alone deletes what step 2 needs."""
+    handler = ol.LossyCheckpointHandler(base_interval=10, unmanaged_deltas=True)
     registry = ocp.handlers.create_default_handler_registry(default=handler)
     options = ocp.CheckpointManagerOptions(preservation_policy=P.LatestN(1))
     with ocp.CheckpointManager(tmp_path, options=options, handler_registry=registry) as mngr:
@@ -162,9 +179,6 @@ def test_without_the_chain_policy_latest_n_breaks_the_chain(tmp_path):
             mngr.save(step, args=ol.LossySave(state_at(step)))
         mngr.wait_until_finished()
         assert mngr.all_steps() == [2]
-        try:
+        with pytest.raises(ol.MissingStepError) as e:
             mngr.restore(2)
-        except ol.MissingStepError as e:
-            assert e.step == 1
-        else:
-            raise AssertionError("restore of a delta whose reference was deleted succeeded")
+        assert e.value.step == 1
