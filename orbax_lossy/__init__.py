@@ -1,7 +1,6 @@
 """orbax-lossy: lossy, delta-coded Orbax checkpoints for JAX/Flax training."""
 
 from orbax_lossy.adaptive import AdaptivePolicy
-from orbax_lossy.chain import ChainPreservationPolicy
 from orbax_lossy.codecs.bitmask import Bitmask
 from orbax_lossy.codecs.cluster import Cluster
 from orbax_lossy.codecs.exact import Exact
@@ -20,6 +19,7 @@ from orbax_lossy.errors import (
 from orbax_lossy.handler import LossyCheckpointHandler, LossyRestore, LossySave
 from orbax_lossy.manager import checkpoint_manager
 from orbax_lossy.policy import LeafPolicy
+from orbax_lossy.retention import ChainPreservationPolicy, chain_dependencies, kept_for_chains
 from orbax_lossy.stats import checkpoint_stats
 
 __version__ = "0.1.0"
@@ -44,6 +44,8 @@ __all__ = [
     "MissingStepError",
     "TruncatedError",
     "UnsupportedVersionError",
+    "chain_dependencies",
     "checkpoint_manager",
     "checkpoint_stats",
+    "kept_for_chains",
 ]

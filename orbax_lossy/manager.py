@@ -1,58 +1,170 @@
-"""``checkpoint_manager``: a plain, fully configured ``ocp.CheckpointManager``."""
+"""``checkpoint_manager``: a plain ``ocp.CheckpointManager`` that keeps delta chains whole.
+
+The manager it returns is an ordinary Orbax manager: a handler registry that sends every
+``LossySave``/``LossyRestore`` item, whatever its name, to the lossy handler, plus any other
+items you register, and a retention policy that means what the Orbax options say *plus* every
+step a kept step depends on (:class:`~orbax_lossy.ChainPreservationPolicy`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import orbax.checkpoint as ocp
 
-from orbax_lossy.chain import ChainPreservationPolicy
+from orbax_lossy.errors import InvalidArgumentError
 from orbax_lossy.handler import LossyCheckpointHandler, LossyRestore, LossySave
 from orbax_lossy.policy import Policy
+from orbax_lossy.retention import (
+    ChainPreservationPolicy,
+    legacy_delete_options,
+    legacy_preservation_policy,
+)
+
+_UNSET: Any = object()
+DEFAULT_MAX_TO_KEEP = 3
+
+Items = Mapping[str, Any] | ocp.handlers.CheckpointHandlerRegistry
+
+
+def _handler_instance(name: str, handler: Any) -> Any:
+    if inspect.isclass(handler):
+        try:
+            return handler()
+        except TypeError as e:
+            raise InvalidArgumentError(
+                f"items[{name!r}]: {handler.__name__} needs constructor arguments; pass an "
+                "instance"
+            ) from e
+    return handler
+
+
+def handler_registry(
+    handler: LossyCheckpointHandler, items: Items | None = None
+) -> tuple[ocp.handlers.DefaultCheckpointHandlerRegistry, list[LossyCheckpointHandler]]:
+    """A registry with ``handler`` as the fallback for ``LossySave``/``LossyRestore``.
+
+    ``items`` maps item names to handlers (instances or default-constructible classes) and is
+    registered for the args types Orbax associates with each handler; a lossy handler in
+    ``items`` serves only that item. ``items`` may also be an Orbax handler registry, whose
+    entries are copied. Returns the registry and every lossy handler in it.
+    """
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    lossy: list[LossyCheckpointHandler] = [handler]
+    if hasattr(items, "get_all_entries"):  # a registry (a Protocol: no isinstance)
+        for (name, args_type), h in items.get_all_entries().items():
+            registry.add(name, args_type, h)
+            if isinstance(h, LossyCheckpointHandler) and h not in lossy:
+                lossy.append(h)
+    elif items is not None:
+        for name, value in items.items():  # type: ignore[union-attr]
+            h = _handler_instance(name, value)
+            if isinstance(h, LossyCheckpointHandler):
+                save_cls, restore_cls = LossySave, LossyRestore
+                if h not in lossy:
+                    lossy.append(h)
+            else:
+                try:
+                    save_cls, restore_cls = ocp.args.get_registered_args_cls(h)
+                except ValueError as e:
+                    raise InvalidArgumentError(
+                        f"items[{name!r}]: {type(h).__name__} has no registered CheckpointArgs; "
+                        "pass an ocp.handlers.DefaultCheckpointHandlerRegistry as items instead"
+                    ) from e
+            registry.add(name, save_cls, h)
+            registry.add(name, restore_cls, h)
+    # Single-item managers (item "default") and any other item receiving Lossy args.
+    for args_type in (LossySave, LossyRestore):
+        if not registry.has("default", args_type):
+            registry.add("default", args_type, handler)
+        if not registry.has(None, args_type):
+            registry.add(None, args_type, handler)
+    return registry, lossy
+
+
+def chain_options(
+    options: ocp.CheckpointManagerOptions,
+    directory: str | os.PathLike,
+    handlers: LossyCheckpointHandler | list[LossyCheckpointHandler],
+) -> ocp.CheckpointManagerOptions:
+    """A copy of ``options`` whose retention also keeps every step a kept step needs.
+
+    The legacy delete options (``max_to_keep``, ``keep_period``, ``keep_time_interval``,
+    ``best_fn``...) become the policy Orbax would build from them, wrapped in a
+    :class:`ChainPreservationPolicy`; ``options`` itself is not modified. ``best_fn`` and
+    ``best_mode`` stay set, so ``best_step()`` and metrics work as in Orbax.
+    """
+    legacy = legacy_delete_options(options)
+    inner = options.preservation_policy
+    if inner is not None and legacy:
+        raise InvalidArgumentError(
+            f"options set both preservation_policy and {', '.join(legacy)}; Orbax rejects this "
+            "('preservation_policy and delete options are mutually exclusive'). Use one: "
+            "express the delete options as a policy (e.g. LatestN(n), EveryNSteps(k), "
+            "BestN(...), combined with AnyPreservationPolicy) or drop preservation_policy."
+        )
+    if inner is None:
+        inner = legacy_preservation_policy(options)
+    policy = ChainPreservationPolicy(inner, handlers, os.fspath(directory))
+    return dataclasses.replace(
+        options,
+        preservation_policy=policy,
+        max_to_keep=None,
+        keep_period=None,
+        keep_time_interval=None,
+    )
 
 
 def checkpoint_manager(
     directory: str | os.PathLike,
     *,
     handler: LossyCheckpointHandler | None = None,
+    items: Items | None = None,
+    options: ocp.CheckpointManagerOptions | None = None,
     policy: Policy | None = None,
     base_interval: int = 10,
-    max_to_keep: int | None = 3,
+    max_to_keep: int | None = _UNSET,
     preservation_policy: Any = None,
-    save_interval_steps: int = 1,
-    enable_async_checkpointing: bool = True,
-    options: ocp.CheckpointManagerOptions | None = None,
+    save_interval_steps: int = _UNSET,
+    enable_async_checkpointing: bool = _UNSET,
     **handler_kwargs: Any,
 ) -> ocp.CheckpointManager:
-    """A ``CheckpointManager`` that saves ``LossySave`` items with delta chains kept whole.
+    """A ``CheckpointManager`` whose delta chains survive its retention.
 
-    Use it exactly like any manager: ``mngr.save(step, args=LossySave(state))`` and
-    ``mngr.restore(step)``. Retention is ``preservation_policy`` (default
-    ``LatestN(max_to_keep)``) wrapped in :class:`ChainPreservationPolicy`, so deleting old
-    steps never breaks a kept delta's chain. ``options`` may carry any other manager option;
-    its ``preservation_policy`` is wrapped the same way.
+    Single item: ``mngr.save(step, args=ol.LossySave(state))``, ``mngr.restore(step)``.
+    Several items: register the non-lossy ones in ``items`` (``{"config":
+    ocp.handlers.JsonCheckpointHandler()}``) and save ``ocp.args.Composite(state=
+    ol.LossySave(s), config=ocp.args.JsonSave(c))``; any item receiving ``LossySave`` /
+    ``LossyRestore`` goes to ``handler`` (give a lossy item its own handler in ``items``).
+
+    Retention means what ``options`` (or ``preservation_policy``/``max_to_keep``) say in Orbax,
+    plus every step a kept step depends on; ``max_to_keep`` defaults to 3 when no ``options``
+    and no policy are given. Keyword options override a copy of ``options``; the caller's
+    objects are never modified.
     """
     if handler is None:
-        handler = LossyCheckpointHandler(
-            policy, base_interval=base_interval, **handler_kwargs
-        )
+        handler = LossyCheckpointHandler(policy, base_interval=base_interval, **handler_kwargs)
     elif policy is not None or handler_kwargs:
         raise TypeError("pass either a handler or its settings, not both")
     directory = os.fspath(directory)
     if options is None:
-        options = ocp.CheckpointManagerOptions(
-            save_interval_steps=save_interval_steps,
-            enable_async_checkpointing=enable_async_checkpointing,
-        )
-    inner = preservation_policy or options.preservation_policy
-    if inner is None:
-        inner = ocp.checkpoint_managers.LatestN(max_to_keep)  # n=None keeps every step
-    options.preservation_policy = ChainPreservationPolicy(inner, handler, directory, "default")
-    options.max_to_keep = None
-    # Register both args types explicitly (not create_default_handler_registry, which looks
-    # the args up by the handler's exact class and so rejects subclasses of the handler).
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    registry.add("default", LossySave, handler)
-    registry.add("default", LossyRestore, handler)
+        options = ocp.CheckpointManagerOptions()
+        if max_to_keep is _UNSET and preservation_policy is None:
+            max_to_keep = DEFAULT_MAX_TO_KEEP
+    overrides: dict[str, Any] = {}
+    if max_to_keep is not _UNSET:
+        overrides["max_to_keep"] = max_to_keep
+    if save_interval_steps is not _UNSET:
+        overrides["save_interval_steps"] = save_interval_steps
+    if enable_async_checkpointing is not _UNSET:
+        overrides["enable_async_checkpointing"] = enable_async_checkpointing
+    if preservation_policy is not None:
+        overrides["preservation_policy"] = preservation_policy
+    options = dataclasses.replace(options, **overrides) if overrides else options
+    registry, lossy = handler_registry(handler, items)
+    options = chain_options(options, directory, lossy)
     return ocp.CheckpointManager(directory, options=options, handler_registry=registry)

@@ -1,0 +1,283 @@
+"""Retention for delta chains: keep what an Orbax policy keeps, plus everything it needs.
+
+A delta checkpoint can only be restored while every step it depends on (its reference, that
+step's reference, ... down to a base) still exists. :class:`ChainPreservationPolicy` wraps any
+Orbax preservation policy (``LatestN``, ``EveryNSteps``, ``BestN``, ``AnyPreservationPolicy``...)
+and additionally keeps every step a kept step needs. It only ever *adds* steps to the kept set.
+
+Dependencies come from the handlers' memory (the step being saved is not on disk yet when Orbax
+decides what to delete) and otherwise from the manifests on disk, read from every item directory
+of a step that holds a lossy manifest, whatever the item is called. So the policy works for
+single-item managers, ``Composite`` items of any name, several lossy items per step, and after a
+restart.
+
+:func:`legacy_preservation_policy` turns ``CheckpointManagerOptions``' legacy delete options
+(``max_to_keep``, ``keep_period``, ``keep_time_interval``, ``best_fn``) into the preservation
+policy Orbax itself builds from them. :func:`chain_dependencies` and :func:`kept_for_chains`
+report what chains cost on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import orbax.checkpoint as ocp
+from etils import epath
+
+from orbax_lossy.errors import LossyError
+from orbax_lossy.handler import read_manifest
+
+if TYPE_CHECKING:
+    from orbax_lossy.handler import LossyCheckpointHandler
+
+MANIFEST_NAME = "manifest.msgpack"
+_TMP = ".orbax-checkpoint-tmp"
+_P = ocp.checkpoint_managers
+
+__all__ = [
+    "ChainPreservationPolicy",
+    "chain_dependencies",
+    "kept_for_chains",
+    "legacy_preservation_policy",
+]
+
+
+# --------------------------------------------------------------------------- disk
+
+
+def step_directories(root: str | os.PathLike) -> dict[int, epath.Path]:
+    """Committed-looking step directories under ``root`` by step number."""
+    out: dict[int, epath.Path] = {}
+    path = epath.Path(root)
+    try:
+        children = list(path.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for child in children:
+        if _TMP in child.name:
+            continue
+        m = re.search(r"(\d+)$", child.name)
+        if m and child.is_dir():
+            out[int(m.group(1))] = child
+    return out
+
+
+def dependencies_from_disk(
+    step_dir: str | os.PathLike, item_names: Iterable[str] | None = None
+) -> set[int]:
+    """Steps that the lossy items of one step directory reference (empty for bases).
+
+    Every item subdirectory holding a lossy manifest counts, unless ``item_names`` restricts
+    the scan. Unreadable manifests count as no dependency (their step is not restorable anyway).
+    """
+    step_path = epath.Path(step_dir)
+    if item_names is None:
+        try:
+            items = [c for c in step_path.iterdir() if _TMP not in c.name and c.is_dir()]
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
+    else:
+        items = [step_path / name for name in item_names]
+    deps: set[int] = set()
+    for item in items:
+        if not (item / MANIFEST_NAME).exists():
+            continue
+        try:
+            manifest = read_manifest(os.fspath(item))
+        except (LossyError, OSError, ValueError):
+            continue
+        ref = manifest.get("reference")
+        if ref and ref.get("step") is not None:
+            deps.add(int(ref["step"]))
+    return deps
+
+
+def _root_keys(directory: str | os.PathLike) -> list[str]:
+    """The spellings of a root the handlers may have recorded dependencies under."""
+    raw = os.fspath(directory)
+    keys = [os.path.normpath(raw)]
+    if "://" not in raw:
+        keys.append(os.path.normpath(os.path.abspath(raw)))
+    return list(dict.fromkeys(keys))
+
+
+# --------------------------------------------------------------------------- policy
+
+
+@dataclasses.dataclass
+class ChainPreservationPolicy:
+    """Keeps what ``inner`` keeps, plus every step a kept delta checkpoint depends on.
+
+    Args:
+      inner: any Orbax preservation policy.
+      handler: the lossy handler(s) the manager uses (one, or a sequence when several lossy
+        items have their own handlers). Each is told that ``directory`` keeps its chains
+        (``protect_chains``), which lets it write deltas there.
+      directory: the manager's root directory.
+      item_name: optionally, the only item whose manifests are read from disk (by default
+        every item directory holding a lossy manifest counts).
+    """
+
+    inner: Any
+    handler: LossyCheckpointHandler | Sequence[LossyCheckpointHandler]
+    directory: str | os.PathLike
+    item_name: str | None = None
+    #: After each decision: step kept only as a dependency -> the kept steps that need it.
+    last_kept_for_chains: dict[int, list[int]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inner, ChainPreservationPolicy):
+            self.inner = self.inner.inner
+        if not self.handlers:
+            raise TypeError("ChainPreservationPolicy needs at least one lossy handler")
+        for h in self.handlers:
+            h.protect_chains(self.directory)
+
+    @property
+    def handlers(self) -> list[LossyCheckpointHandler]:
+        h = self.handler
+        return list(h) if isinstance(h, (list, tuple)) else [h]  # type: ignore[arg-type]
+
+    def dependencies(
+        self, step: int, step_dirs: Mapping[int, epath.Path] | None = None
+    ) -> set[int]:
+        """Steps that ``step`` directly depends on (memory of every handler, then disk)."""
+        deps: set[int] = set()
+        for h in self.handlers:
+            for key in _root_keys(self.directory):
+                try:
+                    dep = h.dependency_of(key, step)
+                except KeyError:
+                    continue
+                if dep is not None:
+                    deps.add(int(dep))
+                break
+        step_dirs = step_directories(self.directory) if step_dirs is None else step_dirs
+        if step in step_dirs:
+            names = None if self.item_name is None else [self.item_name]
+            deps |= dependencies_from_disk(step_dirs[step], names)
+        deps.discard(step)
+        return deps
+
+    def dependency(
+        self, step: int, step_dirs: Mapping[int, epath.Path] | None = None
+    ) -> int | None:
+        """One dependency of ``step`` (backward compatible; see :meth:`dependencies`)."""
+        deps = self.dependencies(step, step_dirs)
+        return max(deps) if deps else None
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> Sequence[bool]:
+        wanted = list(self.inner.should_preserve(checkpoints, context=context))
+        keep = list(wanted)
+        position = {c.step: i for i, c in enumerate(checkpoints)}
+        step_dirs = step_directories(self.directory)
+        needed_by: dict[int, set[int]] = {}
+        for i, checkpoint in enumerate(checkpoints):
+            if not wanted[i]:
+                continue
+            todo, seen = [checkpoint.step], {checkpoint.step}
+            while todo:
+                for dep in self.dependencies(todo.pop(), step_dirs):
+                    if dep in seen or dep not in position:
+                        continue
+                    seen.add(dep)
+                    todo.append(dep)
+                    keep[position[dep]] = True
+                    if not wanted[position[dep]]:
+                        needed_by.setdefault(dep, set()).add(checkpoint.step)
+        self.last_kept_for_chains = {s: sorted(v) for s, v in sorted(needed_by.items())}
+        return keep
+
+
+# --------------------------------------------------------------------------- legacy options
+
+_DELETE_OPTIONS = ("max_to_keep", "keep_period", "keep_time_interval")
+
+
+def legacy_delete_options(options: ocp.CheckpointManagerOptions) -> list[str]:
+    """The legacy delete options set in ``options`` (Orbax rejects them beside a policy)."""
+    return [name for name in _DELETE_OPTIONS if getattr(options, name)]
+
+
+def legacy_preservation_policy(options: ocp.CheckpointManagerOptions) -> Any:
+    """The preservation policy Orbax builds from legacy options, built the same way.
+
+    Mirrors ``orbax.checkpoint.checkpoint_manager._get_default_preservation_policy``: any of
+    ``EveryNSteps(keep_period)``, ``EveryNSeconds(keep_time_interval)``, then
+    ``BestN(best_fn, reverse=best_mode == "min", n=max_to_keep,
+    keep_checkpoints_without_metrics)`` when ``best_fn`` is set, else ``LatestN(max_to_keep)``.
+    """
+    policies: list[Any] = []
+    if options.keep_period is not None:
+        policies.append(_P.EveryNSteps(options.keep_period))
+    if options.keep_time_interval is not None:
+        seconds = int(options.keep_time_interval.total_seconds())
+        policies.append(_P.EveryNSeconds(interval_secs=seconds))
+    if options.best_fn is not None:
+        policies.append(
+            _P.BestN(
+                get_metric_fn=options.best_fn,
+                reverse=(options.best_mode == "min"),
+                n=options.max_to_keep,
+                keep_checkpoints_without_metrics=options.keep_checkpoints_without_metrics,
+            )
+        )
+    else:
+        policies.append(_P.LatestN(n=options.max_to_keep))
+    return _P.AnyPreservationPolicy(policies)
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def _directory_of(mngr_or_root: Any) -> epath.Path:
+    if isinstance(mngr_or_root, (str, os.PathLike)):
+        return epath.Path(mngr_or_root)
+    return epath.Path(mngr_or_root.directory)
+
+
+def chain_dependencies(mngr_or_root: Any) -> dict[int, list[int]]:
+    """Every step on disk -> the steps it needs to restore (transitively; [] for a base).
+
+    Accepts a ``CheckpointManager`` (its listed steps, after waiting for a save in flight) or
+    a root directory (every committed step directory, read from the manifests).
+    """
+    if not isinstance(mngr_or_root, (str, os.PathLike)):
+        mngr_or_root.wait_until_finished()
+    step_dirs = step_directories(_directory_of(mngr_or_root))
+    direct = {step: dependencies_from_disk(path) for step, path in step_dirs.items()}
+    out: dict[int, list[int]] = {}
+    for step in sorted(direct):
+        todo, seen = list(direct[step]), set()
+        while todo:
+            dep = todo.pop()
+            if dep in seen or dep == step:
+                continue
+            seen.add(dep)
+            todo.extend(direct.get(dep, ()))
+        out[step] = sorted(seen)
+    return out
+
+
+def kept_for_chains(mngr: Any) -> dict[int, list[int]]:
+    """Steps the manager keeps only because kept steps depend on them.
+
+    Returns ``{step: [the steps its retention policy keeps that need it]}``; steps the
+    manager's own policy (the inner policy of its :class:`ChainPreservationPolicy`) keeps
+    anyway are not listed. Empty when the manager does not use a chain policy.
+    """
+    mngr.wait_until_finished()
+    policy = getattr(mngr, "_preservation_policy", None)
+    if not isinstance(policy, ChainPreservationPolicy):
+        return {}
+    checkpoints = list(getattr(mngr, "_checkpoints", []))
+    if not checkpoints:
+        return {}
+    policy.should_preserve(checkpoints, context=_P.PreservationContext())
+    return dict(policy.last_kept_for_chains)
