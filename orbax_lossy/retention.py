@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_lossy.errors import LossyError
-from orbax_lossy.handler import read_manifest
+from orbax_lossy.handler import read_manifest_body as read_manifest
 
 if TYPE_CHECKING:
     from orbax_lossy.handler import LossyCheckpointHandler
@@ -66,6 +67,15 @@ def step_directories(root: str | os.PathLike) -> dict[int, epath.Path]:
     return out
 
 
+def lossy_items(step_dir: str | os.PathLike) -> list[epath.Path]:
+    """The item directories of a step that hold a lossy manifest."""
+    try:
+        children = list(epath.Path(step_dir).iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [c for c in children if _TMP not in c.name and (c / MANIFEST_NAME).exists()]
+
+
 def dependencies_from_disk(
     step_dir: str | os.PathLike, item_names: Iterable[str] | None = None
 ) -> set[int]:
@@ -76,16 +86,11 @@ def dependencies_from_disk(
     """
     step_path = epath.Path(step_dir)
     if item_names is None:
-        try:
-            items = [c for c in step_path.iterdir() if _TMP not in c.name and c.is_dir()]
-        except (FileNotFoundError, NotADirectoryError):
-            return set()
+        items = lossy_items(step_path)
     else:
-        items = [step_path / name for name in item_names]
+        items = [step_path / n for n in item_names if (step_path / n / MANIFEST_NAME).exists()]
     deps: set[int] = set()
     for item in items:
-        if not (item / MANIFEST_NAME).exists():
-            continue
         try:
             manifest = read_manifest(os.fspath(item))
         except (LossyError, OSError, ValueError):
@@ -130,6 +135,8 @@ class ChainPreservationPolicy:
     last_kept_for_chains: dict[int, list[int]] = dataclasses.field(
         default_factory=dict, init=False, repr=False
     )
+    _last_kept: set[int] | None = dataclasses.field(default=None, init=False, repr=False)
+    _warned: bool = dataclasses.field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.inner, ChainPreservationPolicy):
@@ -144,20 +151,26 @@ class ChainPreservationPolicy:
         h = self.handler
         return list(h) if isinstance(h, (list, tuple)) else [h]  # type: ignore[arg-type]
 
-    def dependencies(
-        self, step: int, step_dirs: Mapping[int, epath.Path] | None = None
-    ) -> set[int]:
-        """Steps that ``step`` directly depends on (memory of every handler, then disk)."""
-        deps: set[int] = set()
+    def _memory(self, step: int) -> tuple[int, set[int]]:
+        """(how many handlers know ``step``, the dependencies they recorded for it)."""
+        known, deps = 0, set()
         for h in self.handlers:
             for key in _root_keys(self.directory):
                 try:
                     dep = h.dependency_of(key, step)
                 except KeyError:
                     continue
+                known += 1
                 if dep is not None:
                     deps.add(int(dep))
                 break
+        return known, deps
+
+    def dependencies(
+        self, step: int, step_dirs: Mapping[int, epath.Path] | None = None
+    ) -> set[int]:
+        """Steps that ``step`` directly depends on (memory of every handler, then disk)."""
+        deps = self._memory(step)[1]
         step_dirs = step_directories(self.directory) if step_dirs is None else step_dirs
         if step in step_dirs:
             names = None if self.item_name is None else [self.item_name]
@@ -171,6 +184,32 @@ class ChainPreservationPolicy:
         """One dependency of ``step`` (backward compatible; see :meth:`dependencies`)."""
         deps = self.dependencies(step, step_dirs)
         return max(deps) if deps else None
+
+    def _uncertain(self, checkpoints: Sequence[Any], step_dirs: Mapping[int, epath.Path]) -> bool:
+        """Whether a step still in flight may depend on more than the handlers recorded.
+
+        A handler remembers one dependency per step. When one handler instance serves several
+        lossy items of a step, the last item's record hides the others until the step is on
+        disk; then nothing kept by the previous decision may be deleted yet.
+        """
+        in_flight = [c.step for c in checkpoints if c.step not in step_dirs]
+        committed = [c.step for c in checkpoints if c.step in step_dirs]
+        if not in_flight or not committed:
+            return False
+        items = 1 if self.item_name else len(lossy_items(step_dirs[max(committed)]))
+        uncertain = any(self._memory(step)[0] < items for step in in_flight)
+        if uncertain and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"orbax_lossy: {os.fspath(self.directory)} saves {items} lossy items but "
+                f"{len(self.handlers)} LossyCheckpointHandler(s) serve them: items sharing a "
+                "handler reference each other's steps, so whole chains of steps are kept. Give "
+                "each lossy item its own handler, e.g. ol.checkpoint_manager(..., items={'ema': "
+                "ol.LossyCheckpointHandler()}).",
+                UserWarning,
+                stacklevel=2,
+            )
+        return uncertain
 
     def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> Sequence[bool]:
         wanted = list(self.inner.should_preserve(checkpoints, context=context))
@@ -191,7 +230,14 @@ class ChainPreservationPolicy:
                     keep[position[dep]] = True
                     if not wanted[position[dep]]:
                         needed_by.setdefault(dep, set()).add(checkpoint.step)
+        if self._uncertain(checkpoints, step_dirs):
+            for i, checkpoint in enumerate(checkpoints):
+                if checkpoint.step in step_dirs and (
+                    self._last_kept is None or checkpoint.step in self._last_kept
+                ):
+                    keep[i] = True
         self.last_kept_for_chains = {s: sorted(v) for s, v in sorted(needed_by.items())}
+        self._last_kept = {c.step for c, k in zip(checkpoints, keep, strict=True) if k}
         return keep
 
 
