@@ -98,7 +98,7 @@ from orbax_lossy.codecs.exact import Exact
 from orbax_lossy.codecs.lc import LC, exponent_buckets, work_dtype
 from orbax_lossy.errors import InvalidArgumentError
 from orbax_lossy.policy import ROLES, leaf_role
-from orbax_lossy.program import sign_safe
+from orbax_lossy.engine.device import sign_safe
 from orbax_lossy.treepaths import StoredPath
 
 #: Default error budgets per role, from resume experiments (``benchmarks/whole_state.py``:

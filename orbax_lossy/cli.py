@@ -16,12 +16,10 @@ from orbax_lossy.stats import checkpoint_stats
 
 
 def _inspect(item_dir: str) -> int:
-    from orbax_lossy.handler import LossyCheckpointHandler
-
-    chain = LossyCheckpointHandler().chain(item_dir)
+    chain = fmt.walk_chain(item_dir)
     print("chain (base first):")
     for link, manifest in chain:
-        print(f"  step {manifest.get('step')}: {manifest['kind']} ({link})")
+        print(f"  step {manifest.header.step}: {manifest.header.save_type} ({link})")
     rows = checkpoint_stats(item_dir)
     width = max(len(r["path"]) for r in rows)
     print(f"{'leaf':<{width}} {'codec':<22} {'raw B':>10} {'stored B':>10} {'ratio':>8} "
@@ -38,17 +36,16 @@ def _inspect(item_dir: str) -> int:
 
 
 def _verify(item_dir: str) -> int:
-    from orbax_lossy.handler import LossyCheckpointHandler
-
-    chain = LossyCheckpointHandler().chain(item_dir)
+    chain = fmt.walk_chain(item_dir)
     total = 0
     for link, manifest in chain:
         reader = fmt.PayloadReader(link)
-        for leaf in manifest["leaves"]:
-            for p in leaf.get("pieces", []):
-                reader.read(fmt.PieceRef.from_msgpack(p, link), link)
+        for leaf in manifest.leaves:
+            for p in leaf.pieces:
+                reader.read(p, f"{link}: leaf {leaf.name!r}")
         total += reader.bytes_read
-        print(f"ok  step {manifest.get('step')} ({manifest['kind']}): {reader.bytes_read} bytes")
+        print(f"ok  step {manifest.header.step} ({manifest.header.save_type}): "
+              f"{reader.bytes_read} bytes")
     print(f"verified {total} payload bytes in {len(chain)} checkpoint(s)")
     return 0
 

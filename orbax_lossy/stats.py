@@ -6,10 +6,7 @@ import math
 import os
 from typing import Any
 
-import jax.numpy as jnp
-
-from orbax_lossy.handler import read_manifest
-from orbax_lossy.treepaths import path_str
+from orbax_lossy.format.manifest import read_manifest
 
 
 def checkpoint_stats(item_dir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -21,20 +18,19 @@ def checkpoint_stats(item_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """
     manifest = read_manifest(item_dir)
     rows = []
-    for leaf in manifest["leaves"]:
-        raw = math.prod(leaf["shape"]) * jnp.dtype(leaf["dtype"]).itemsize
-        stored = sum(p["length"] for p in leaf.get("pieces", []))
+    for leaf in manifest.leaves:
+        stored = leaf.stored_bytes
         rows.append(
             {
-                "path": path_str(tuple(tuple(p) for p in leaf["path"])),
-                "shape": tuple(leaf["shape"]),
-                "dtype": leaf["dtype"],
-                "role": leaf.get("role"),
-                "codec": leaf["codec"],
-                "raw_bytes": raw,
+                "path": leaf.name,
+                "shape": leaf.shape,
+                "dtype": leaf.dtype.name,
+                "role": leaf.role,
+                "codec": dict(leaf.codec_config),
+                "raw_bytes": leaf.raw_bytes,
                 "stored_bytes": stored,
-                "ratio": raw / stored if stored else math.inf,
-                "rel_error": float(leaf.get("rel_error", 0.0)),
+                "ratio": leaf.raw_bytes / stored if stored else math.inf,
+                "rel_error": leaf.rel_error,
             }
         )
     return rows

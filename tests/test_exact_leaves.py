@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import orbax_lossy as ol
-from orbax_lossy.handler import read_manifest
+from orbax_lossy.handler import read_manifest_body as read_manifest
 
 
 def bits(x) -> np.ndarray:

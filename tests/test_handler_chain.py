@@ -18,7 +18,8 @@ import pytest
 
 import orbax_lossy as ol
 from orbax_lossy import format as fmt
-from orbax_lossy.handler import read_manifest
+from orbax_lossy.format import payload
+from orbax_lossy.handler import read_manifest_body as read_manifest
 from orbax_lossy.treepaths import flatten, path_str
 
 
@@ -82,7 +83,7 @@ def item_dir(root, step: int, item: str = "default") -> str:
     return os.path.join(os.fspath(root), str(step), item)
 
 
-class ForbiddenReader(fmt.PayloadReader):
+class ForbiddenReader(payload.PayloadReader):
     def __init__(self, directory):  # pragma: no cover - must never run during a save
         raise AssertionError(f"a save read payloads from {directory}")
 
@@ -96,7 +97,7 @@ def test_every_step_of_a_multi_base_chain_restores_bitwise(
     steps = [0, 2, 4, 6, 8, 10, 12, 14]  # bases at 0, 6, 12
     recon, saved = {}, {}
     state = make_state()
-    monkeypatch.setattr(fmt, "PayloadReader", ForbiddenReader)  # no save reads old payloads
+    monkeypatch.setattr(payload, "PayloadReader", ForbiddenReader)  # no save reads old payloads
     for t, step in enumerate(steps):
         if t:
             state = advance(state, t)

@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import orbax_lossy  # noqa: E402
-from orbax_lossy.handler import read_manifest  # noqa: E402
+from orbax_lossy.handler import read_manifest_body as read_manifest  # noqa: E402
 
 SHAPES = {"w": (512, 256), "u": (256, 128), "b": (64,)}
 CHUNK_BYTES = 16 << 10
@@ -98,7 +98,7 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 def hide_manifests_from_this_process():
     """Simulate a shared filesystem without cross-host read-after-write consistency: this
     process never sees ``manifest.msgpack`` files written by the primary."""
-    import orbax_lossy.handler as handler_module
+    import orbax_lossy.engine.reference as handler_module
 
     real_os = handler_module.os
 

@@ -28,8 +28,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import orbax_lossy  # noqa: E402
 from orbax_lossy import format as fmt  # noqa: E402
-from orbax_lossy import program  # noqa: E402
-from orbax_lossy.handler import read_manifest  # noqa: E402
+from orbax_lossy.engine import device as program  # noqa: E402
+from orbax_lossy.handler import read_manifest_body as read_manifest  # noqa: E402
 
 CHUNK_BYTES = 4096
 
@@ -219,7 +219,7 @@ def main(out_dir: str) -> None:
         # One device's shard is one quarter: build the target on that one device only.
         shard_index = sh.addressable_devices_indices_map((256, 128))[devices[0]]
         box = fmt.box_from_index(shard_index, (256, 128))
-        from orbax_lossy.reading import read_region as _read_region
+        from orbax_lossy.engine.reading import read_region as _read_region
 
         codec = orbax_lossy.Exact()
         pieces = [fmt.PieceRef.from_msgpack(p, "w") for p in wleaf["pieces"]]

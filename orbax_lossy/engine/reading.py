@@ -9,11 +9,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from orbax_lossy import format as fmt
 from orbax_lossy.errors import FormatError, LossyError
+from orbax_lossy.format import grid
+from orbax_lossy.format.manifest import LeafEntry
 
 
 def target_sharding(target: Any) -> jax.sharding.Sharding:
+    """The sharding a restored device leaf takes (the target's, else a default)."""
     sharding = getattr(target, "sharding", None)
     if isinstance(sharding, jax.sharding.Sharding):
         return sharding
@@ -23,35 +25,36 @@ def target_sharding(target: Any) -> jax.sharding.Sharding:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-def cast_to_target(value: Any, target: Any, leaf: dict[str, Any]) -> Any:
-    kind = leaf["kind"]
-    if kind == "int":
+def cast_to_target(value: Any, target: Any, leaf: LeafEntry) -> Any:
+    """The restored value in the form the target (or the saved leaf) asks for."""
+    storage = leaf.storage
+    if storage == "int":
         return int(value)
-    if kind == "float":
+    if storage == "float":
         return float(value)
-    if kind == "bool":
+    if storage == "bool":
         return bool(value)
     dtype = getattr(target, "dtype", None)
     if (
         target is not None
         and dtype is not None
-        and kind == "device"
-        and not leaf.get("key_impl")
+        and storage == "device"
+        and not leaf.key_impl
         and np.dtype(dtype) != value.dtype
     ):
         return value.astype(dtype)
-    if kind == "numpy" and isinstance(target, jax.Array | jax.ShapeDtypeStruct):
+    if storage == "numpy" and isinstance(target, jax.Array | jax.ShapeDtypeStruct):
         return jax.device_put(value, target_sharding(target))
     return value
 
 
 def read_region(reader, pieces, codec, field, dtype, region, cache, where) -> np.ndarray:
-    out = np.empty(fmt.box_shape(region), dtype)
+    out = np.empty(grid.box_shape(region), dtype)
     covered = 0
     for p in pieces:
         if p.field != field:
             continue
-        inter = fmt.intersect(p.box, region)
+        inter = grid.intersect(p.box, region)
         if inter is None:
             continue
         key = (p.file, p.offset)
@@ -59,16 +62,16 @@ def read_region(reader, pieces, codec, field, dtype, region, cache, where) -> np
         if data is None:
             data = decode_piece(reader, p, codec, field, dtype, where)
             cache[key] = data
-        out[fmt.local_slices(inter, region)] = data[fmt.local_slices(inter, p.box)]
-        covered += math.prod(fmt.box_shape(inter))
-    if covered != math.prod(fmt.box_shape(region)):
+        out[grid.local_slices(inter, region)] = data[grid.local_slices(inter, p.box)]
+        covered += math.prod(grid.box_shape(inter))
+    if covered != math.prod(grid.box_shape(region)):
         raise FormatError(f"{where}: field {field!r} region {region} is not fully stored")
     return out
 
 
 def decode_piece(reader, p, codec, field, dtype, where) -> np.ndarray:
     data = reader.read(p, where)
-    shape = fmt.box_shape(p.box)
+    shape = grid.box_shape(p.box)
     try:
         arr = codec.host_decode(field, data, shape, np.dtype(dtype))
     except LossyError:
@@ -85,12 +88,12 @@ def assemble_field(
 ) -> jax.Array:
     """Build one field as a jax.Array on ``sharding`` from the pieces its shards overlap."""
     regions = {
-        fmt.box_from_index(idx, shape)
+        grid.box_from_index(idx, shape)
         for idx in sharding.addressable_devices_indices_map(shape).values()
     }
     needed = {}
     for p in pieces:
-        if any(fmt.intersect(p.box, r) is not None for r in regions):
+        if any(grid.intersect(p.box, r) is not None for r in regions):
             needed[(p.file, p.offset)] = p
     cache: dict[tuple[str, int], np.ndarray] = {}
     if len(needed) > 1 and threads > 1:
@@ -101,7 +104,7 @@ def assemble_field(
             cache.update(zip(needed.keys(), decoded, strict=True))
 
     def callback(index: tuple[slice, ...]) -> np.ndarray:
-        region = fmt.box_from_index(index, shape)
+        region = grid.box_from_index(index, shape)
         return read_region(reader, list(needed.values()), codec, field, dtype, region, cache,
                             where)
 

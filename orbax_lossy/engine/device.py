@@ -69,10 +69,11 @@ def encode_tree(
 ) -> list[dict[str, Any]]:
     """Encode every leaf; returns per leaf ``{fields, side, recon, safe, rel_error}``.
 
-    A lossy or delta codec's output is *guarded*: when the value or the reference is not
-    finite, or the reconstruction breaks the sign of a non-negative leaf (see
-    :func:`sign_safe`), ``safe`` is False, the reconstruction is the value itself, and the
-    handler stores the leaf exactly for this save (never garbage, never a wrong sign).
+    A lossy or delta codec's output is *guarded*: when the value, the reference, the delta
+    between them or the reconstruction is not finite, or the reconstruction breaks the sign
+    of a non-negative leaf (see :func:`sign_safe`), ``safe`` is False, the reconstruction is
+    the value itself, and the handler stores the leaf exactly for this save (never garbage,
+    never a wrong sign).
     """
     out = []
     for value, ref, codec, sharding in zip(values, references, plan, shardings, strict=True):
@@ -81,7 +82,10 @@ def encode_tree(
         recon = enc.recon
         safe = jnp.ones((), jnp.bool_)
         if codec.lossy or codec.needs_reference:
-            safe = _finite(value, ref)
+            safe = _finite(value, ref) & _finite(recon, None)
+            if ref is not None and jnp.issubdtype(value.dtype, jnp.inexact):
+                wide = jnp.promote_types(value.dtype, jnp.float32)
+                safe &= jnp.all(jnp.isfinite(value.astype(wide) - ref.astype(wide)))
             if codec.lossy:
                 safe &= sign_safe(value, recon)
             recon = jnp.where(safe, recon, value)
@@ -114,3 +118,26 @@ def decode_tree(
     ):
         out.append(_constrain(codec.device_decode(f, side, ref, jnp.dtype(dtype)), sharding))
     return out
+
+
+def run_grouped(fn, per_leaf: bool, *lists: list[Any], **statics: tuple[Any, ...]) -> list[Any]:
+    """Run a tree program once over all leaves, or once per leaf (then cached per leaf).
+
+    A static per-leaf plan compiles one program for the whole tree. A plan that changes from
+    save to save (adaptive policies) would recompile that program at every new combination,
+    so such saves run one small program per leaf, cached by leaf shape, dtype and codec.
+    """
+    if not per_leaf:
+        return fn(*lists, **statics)
+    out = []
+    for j in range(len(lists[0])):
+        out.extend(
+            fn(*[[arg[j]] for arg in lists], **{k: (v[j],) for k, v in statics.items()})
+        )
+    return out
+
+
+@jax.jit
+def copy_tree(values: list[Any]) -> list[Any]:
+    """Device copies of a list of arrays (the restored values become the next reference)."""
+    return [None if v is None else jnp.copy(v) for v in values]

@@ -1,0 +1,1 @@
+"""The engine: the reference, the device programs, the save and restore pipelines."""

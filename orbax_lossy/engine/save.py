@@ -1,0 +1,275 @@
+"""The save pipeline: encode on device (blocking part), then write files (commit thread).
+
+1. :func:`encode_save` (training thread): run the policy's codec plan as one jitted program,
+   start the device-to-host copies of what must be written, and return an
+   :class:`EncodedSave` holding host buffers the handler owns plus the new reference values.
+2. :func:`write_process_files` (Orbax's commit thread, after the directory exists):
+   entropy-code every chunk-grid piece on a thread pool, append the pieces to
+   ``data.p<K>.bin`` and write ``index.p<K>.msgpack``.
+3. :func:`merge_indexes` (``finalize``, primary host): merge the indexes into the manifest.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import re
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from orbax_lossy.codecs.base import Codec, codec_config
+from orbax_lossy.codecs.exact import Exact
+from orbax_lossy.engine import device
+from orbax_lossy.engine.reference import Reference
+from orbax_lossy.errors import FormatError, LossyError
+from orbax_lossy.format import envelope, grid, payload
+from orbax_lossy.format.manifest import (
+    MANIFEST_NAME,
+    Header,
+    LeafEntry,
+    Manifest,
+    ReferenceLink,
+)
+from orbax_lossy.format.steps import step_of
+from orbax_lossy.policy import Policy, leaf_role
+from orbax_lossy.treepaths import StoredPath
+
+HostShards = list[tuple[grid.Box, np.ndarray]]
+
+
+@dataclasses.dataclass
+class LeafJob:
+    """One leaf to write: its manifest entry (without pieces) and its host buffers."""
+
+    index: int
+    entry: LeafEntry
+    shards: dict[str, HostShards]  # field -> replica-0 shards on host
+
+
+@dataclasses.dataclass
+class EncodedSave:
+    """What the blocking half of a save hands to the commit thread."""
+
+    jobs: list[LeafJob]
+    header: Header
+    reconstruction: list[Any]  # per leaf: the next reference value, or None
+
+
+def save_id() -> str:
+    """A random identifier that binds a delta to the exact save it was encoded against."""
+    return secrets.token_hex(8)
+
+
+def prepare_leaves(leaves: Sequence[Any], storages: Sequence[str]) -> tuple[list, list]:
+    """Device leaves stay jax.Arrays (PRNG keys as key data); host leaves become numpy."""
+    prepared, key_impls = [], []
+    for leaf, storage in zip(leaves, storages, strict=True):
+        impl = None
+        if storage == "device" and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            impl = str(jax.random.key_impl(leaf))
+            leaf = jax.random.key_data(leaf)
+        prepared.append(leaf if storage == "device" else np.asarray(jax.device_get(leaf)))
+        key_impls.append(impl)
+    return prepared, key_impls
+
+
+def _replica0_shards(arr: jax.Array) -> list[tuple[grid.Box, jax.Array]]:
+    return [
+        (grid.box_from_index(s.index, arr.shape), s.data)
+        for s in arr.addressable_shards
+        if s.replica_id == 0
+    ]
+
+
+def encode_save(
+    *,
+    item_dir: str,
+    paths: Sequence[StoredPath],
+    prepared: Sequence[Any],
+    storages: Sequence[str],
+    key_impls: Sequence[str | None],
+    ref: Reference | None,
+    policy: Policy,
+    base_interval: int,
+    chunk_bytes: int,
+    primary_host: int,
+) -> EncodedSave:
+    """Choose codecs, run the device halves and secure host copies (see module docstring)."""
+    is_base = ref is None
+    codec_leaves = [
+        i for i, s in enumerate(storages) if s == "device" and key_impls[i] is None
+    ]
+    refs: list[Any] = [None] * len(prepared)
+    if ref is not None:
+        for i in codec_leaves:
+            r = ref.values[i]
+            if isinstance(r, np.ndarray):
+                r = jax.device_put(r, prepared[i].sharding)
+            refs[i] = r
+    plan: list[Codec] = [Exact() for _ in prepared]
+    chosen = policy.plan(
+        [paths[i] for i in codec_leaves],
+        [prepared[i] for i in codec_leaves],
+        [refs[i] for i in codec_leaves],
+        is_base,
+    )
+    for i, codec in zip(codec_leaves, chosen, strict=True):
+        if is_base and codec.needs_reference:
+            raise LossyError(f"policy chose delta codec {codec} for a base save")
+        plan[i] = codec
+    device_leaves = [i for i, s in enumerate(storages) if s == "device"]
+    per_leaf = bool(getattr(policy, "plan_varies", False))  # TODO(refactor): declared
+    encoded = device.run_grouped(
+        device.encode_tree,
+        per_leaf,
+        [prepared[i] for i in device_leaves],
+        [refs[i] for i in device_leaves],
+        plan=tuple(plan[i] for i in device_leaves),
+        shardings=tuple(prepared[i].sharding for i in device_leaves),
+    )
+
+    # Start every device-to-host copy, then wait for them (host copies secured).
+    pending: list[tuple[int, str, list[tuple[grid.Box, jax.Array]]]] = []
+    for j, i in enumerate(device_leaves):
+        for name, arr in encoded[j]["fields"].items():
+            shards = _replica0_shards(arr)
+            for _, data in shards:
+                data.copy_to_host_async()
+            pending.append((i, name, shards))
+    host_fields: dict[int, dict[str, HostShards]] = {}
+    for i, name, shards in pending:
+        host_fields.setdefault(i, {})[name] = [(box, np.asarray(d)) for box, d in shards]
+    flags = jax.device_get([(e["safe"], e["rel_error"], e["side"]) for e in encoded])
+
+    chunk_of = {
+        i: grid.chunk_shape_for(np.shape(x), np.dtype(x.dtype).itemsize, chunk_bytes)
+        for i, x in enumerate(prepared)
+    }
+
+    def job(i: int, codec: Codec, side: dict, shards: dict[str, HostShards], err: float):
+        arr = prepared[i]
+        dtype = np.dtype(arr.dtype)
+        entry = LeafEntry(
+            path=paths[i],
+            storage=storages[i],
+            shape=tuple(int(d) for d in np.shape(arr)),
+            dtype=dtype,
+            key_impl=key_impls[i],
+            codec_config=codec_config(codec),
+            chunk=chunk_of[i],
+            side={k: np.asarray(v) for k, v in side.items()},
+            role=leaf_role(paths[i], dtype) if key_impls[i] is None else "rng",
+            rel_error=float(err),
+        )
+        return LeafJob(i, entry, shards)
+
+    reconstruction: list[Any] = [None] * len(prepared)
+    jobs: list[LeafJob] = []
+    is_primary = jax.process_index() == primary_host
+    for j, i in enumerate(device_leaves):
+        safe, rel_error, side = flags[j]
+        codec = plan[i]
+        reconstruction[i] = encoded[j]["recon"]
+        if not bool(safe):
+            # Non-finite input, delta or reconstruction, or a sign-breaking reconstruction
+            # (device.encode_tree): store this leaf exactly for this save (never garbage).
+            codec, side, rel_error = Exact(), {}, 0.0
+            host_fields[i] = {
+                "raw": [(box, np.asarray(d)) for box, d in _replica0_shards(prepared[i])]
+            }
+        jobs.append(job(i, codec, side, host_fields.get(i, {}), rel_error))
+    for i, storage in enumerate(storages):
+        if storage != "device":
+            arr = prepared[i]
+            shards = {"raw": [(grid.full_box(arr.shape), arr.copy())] if is_primary else []}
+            jobs.append(job(i, Exact(), {}, shards, 0.0))
+    jobs.sort(key=lambda x: x.index)
+
+    header = Header(
+        step=step_of(item_dir),
+        save_type="base" if is_base else "delta",
+        chain_length=0 if ref is None else ref.chain_length + 1,
+        base_interval=base_interval,
+        reference=None
+        if ref is None
+        else ReferenceLink(os.path.relpath(ref.item_dir, item_dir), ref.step, ref.save_id),
+        chunk_bytes=chunk_bytes,
+        process_count=jax.process_count(),
+        primary_host=primary_host,
+        programs="per_leaf" if per_leaf else "tree",
+        save_id=save_id(),
+    )
+    return EncodedSave(jobs, header, reconstruction)
+
+
+def write_process_files(
+    directory: str, process: int, save: EncodedSave, is_primary: bool, threads: int
+) -> None:
+    """Entropy-code and write this process's pieces and index (runs in the commit thread)."""
+    tasks = []
+    for job in save.jobs:
+        codec = job.entry.codec
+        field_dtypes = codec.field_dtypes(job.entry.dtype)
+        for name, shards in job.shards.items():
+            if name not in field_dtypes:
+                raise LossyError(f"leaf {job.entry.name}: codec gave unknown field {name}")
+            for box, host in shards:
+                for piece in grid.grid_pieces(box, job.entry.chunk):
+                    local = host[grid.local_slices(piece, box)] if piece else host
+                    tasks.append((job, codec, name, piece, local))
+
+    def encode(task: tuple) -> bytes:
+        _, codec, name, _, local = task
+        return codec.host_encode(name, np.ascontiguousarray(local))
+
+    writer = payload.PayloadWriter(os.path.join(directory, payload.data_file_name(process)))
+    pieces: dict[int, list[dict[str, Any]]] = {job.index: [] for job in save.jobs}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            for task, data in zip(tasks, pool.map(encode, tasks), strict=True):
+                job, _, name, piece, _ = task
+                pieces[job.index].append(writer.append(name, piece, data).to_msgpack())
+    finally:
+        writer.close()
+    body: dict[str, Any] = {
+        "process": process,
+        "pieces": [[index, plist] for index, plist in pieces.items()],
+    }
+    if is_primary:
+        body["header"] = save.header.to_msgpack()
+        body["leaves"] = [job.entry.to_msgpack(with_pieces=False) for job in save.jobs]
+    envelope.write_envelope(
+        os.path.join(directory, payload.index_file_name(process)), "index", body
+    )
+
+
+def merge_indexes(directory: str) -> Manifest:
+    """Merge the per-process indexes into ``manifest.msgpack`` and remove them."""
+    names = sorted(n for n in os.listdir(directory) if re.fullmatch(r"index\.p\d+\.msgpack", n))
+    bodies = [envelope.read_envelope(os.path.join(directory, n), "index") for n in names]
+    primaries = [b for b in bodies if "header" in b]
+    if len(primaries) != 1:
+        raise FormatError(f"{directory}: expected one primary index, found {len(primaries)}")
+    primary = primaries[0]
+    expected = primary["header"]["process_count"]
+    if len(bodies) != expected:
+        raise FormatError(f"{directory}: {len(bodies)} of {expected} processes wrote their index")
+    leaves = primary["leaves"]
+    for leaf in leaves:
+        leaf["pieces"] = []
+    for body in bodies:
+        for index, plist in body["pieces"]:
+            leaves[index]["pieces"].extend(plist)
+    manifest = Manifest.parse({**primary["header"], "leaves": leaves}, directory)
+    envelope.write_envelope(
+        os.path.join(directory, MANIFEST_NAME), "manifest", manifest.to_msgpack()
+    )
+    for n in names:
+        os.remove(os.path.join(directory, n))
+    return manifest
+

@@ -1,0 +1,376 @@
+"""The typed manifest: one parse, one validation, one home for every structural check.
+
+A committed item directory holds ``manifest.msgpack`` (an envelope of file type
+``"manifest"``): a header (step, base or delta, the reference link, writer settings) and a
+leaf table (path, storage, shape, dtype, codec, chunk grid, side arrays, pieces). The on-disk
+keys are documented in ``docs/format.md``; this module turns them into dataclasses and
+rejects anything a writer cannot have produced with a :class:`~orbax_lossy.FormatError`
+naming the file and the leaf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from orbax_lossy.codecs.base import Codec, codec_from_config
+from orbax_lossy.errors import FormatError, LossyError
+from orbax_lossy.format.envelope import read_envelope, write_envelope
+from orbax_lossy.format.grid import box_inside, chunk_shape_for, within_one_chunk
+from orbax_lossy.format.payload import PieceRef
+from orbax_lossy.treepaths import StoredPath, path_str
+
+MANIFEST_NAME = "manifest.msgpack"
+DEFAULT_CHUNK_BYTES = 4 << 20
+# How a leaf is held and restored: a jax.Array, a numpy array, or a Python scalar.
+STORAGES = ("device", "numpy", "int", "float", "bool")
+HOST_STORAGES = ("numpy", "int", "float", "bool")
+SAVE_TYPES = ("base", "delta")
+# Limits no writer reaches; a manifest past them is damaged or hostile.
+MAX_LEAVES = 1 << 20
+MAX_RANK = 64
+MAX_ELEMENTS = 1 << 46
+MAX_SIDE_BYTES = 64 << 20
+MAX_CHUNK_BYTES = 1 << 30
+
+
+def _fail(where: str, message: str) -> FormatError:
+    return FormatError(f"{where}: {message}")
+
+
+def _get(d: Any, key: str, types: type | tuple[type, ...], where: str, default: Any = ...) -> Any:
+    if not isinstance(d, dict):
+        raise _fail(where, f"expected a map, found {type(d).__name__}")
+    if key not in d:
+        if default is ...:
+            raise _fail(where, f"required key {key!r} is missing")
+        return default
+    value = d[key]
+    if value is None and default is None:
+        return None
+    bad_bool = isinstance(value, bool) and bool not in (types if isinstance(types, tuple)
+                                                        else (types,))
+    if not isinstance(value, types) or bad_bool:
+        raise _fail(where, f"key {key!r} has type {type(value).__name__}")
+    return value
+
+
+def _dtype(name: Any, where: str) -> np.dtype:
+    import jax.numpy as jnp  # jnp knows bfloat16 and the float8 types
+
+    if not isinstance(name, str):
+        raise _fail(where, f"dtype {name!r} is not a string")
+    try:
+        return np.dtype(jnp.dtype(name))
+    except TypeError as e:
+        raise _fail(where, f"unknown dtype {name!r}") from e
+
+
+def _shape(value: Any, where: str, what: str = "shape") -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_RANK:
+        raise _fail(where, f"{what} {str(value)[:100]} is not a list of at most {MAX_RANK} dims")
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in value):
+        raise _fail(where, f"{what} {value} has a non-integer or negative dimension")
+    if math.prod(value) > MAX_ELEMENTS:
+        raise _fail(where, f"impossible {what} {value}")
+    return tuple(value)
+
+
+def _path(value: Any, where: str) -> StoredPath:
+    if not isinstance(value, list):
+        raise _fail(where, "leaf path is not a list")
+    out = []
+    for entry in value:
+        if (not isinstance(entry, list) or len(entry) != 2 or entry[0] not in "dsai"
+                or not isinstance(entry[1], (str, int)) or isinstance(entry[1], bool)):
+            raise _fail(where, f"malformed leaf path entry {str(entry)[:100]}")
+        out.append((entry[0], entry[1]))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceLink:
+    """The step a delta checkpoint was encoded against."""
+
+    relpath: str
+    step: int | None
+    save_id: str | None = None  # the referenced manifest's save id (None before it existed)
+
+    def to_msgpack(self) -> dict[str, Any]:
+        """On-disk form."""
+        out: dict[str, Any] = {"relpath": self.relpath, "step": self.step}
+        if self.save_id is not None:
+            out["save_id"] = self.save_id
+        return out
+
+    @classmethod
+    def parse(cls, d: Any, where: str) -> ReferenceLink:
+        """Validate the on-disk form."""
+        return cls(
+            relpath=_get(d, "relpath", str, where),
+            step=_get(d, "step", int, where, None),
+            save_id=_get(d, "save_id", str, where, None),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """Everything a manifest says about the save as a whole."""
+
+    step: int | None
+    save_type: str  # "base" or "delta"
+    chain_length: int
+    base_interval: int
+    reference: ReferenceLink | None
+    chunk_bytes: int
+    process_count: int
+    primary_host: int
+    programs: str  # "tree" (one program for all leaves) or "per_leaf"
+    writer: str = "orbax-lossy"
+    save_id: str | None = None
+
+    @property
+    def is_base(self) -> bool:
+        """A base needs no other step."""
+        return self.save_type == "base"
+
+    def to_msgpack(self) -> dict[str, Any]:
+        """On-disk form (the keys of format version 1 and 2)."""
+        out = {
+            "step": self.step,
+            "kind": self.save_type,
+            "chain_length": self.chain_length,
+            "base_interval": self.base_interval,
+            "reference": None if self.reference is None else self.reference.to_msgpack(),
+            "chunk_bytes": self.chunk_bytes,
+            "process_count": self.process_count,
+            "primary_host": self.primary_host,
+            "programs": self.programs,
+            "writer": self.writer,
+        }
+        if self.save_id is not None:
+            out["save_id"] = self.save_id
+        return out
+
+    @classmethod
+    def parse(cls, d: Any, where: str) -> Header:
+        """Validate the on-disk form."""
+        save_type = _get(d, "kind", str, where)
+        if save_type not in SAVE_TYPES:
+            raise _fail(where, f"save type {save_type!r} is neither base nor delta")
+        ref = _get(d, "reference", dict, where, None)
+        reference = None if ref is None else ReferenceLink.parse(ref, f"{where} (reference)")
+        if save_type == "delta" and reference is None:
+            raise _fail(where, "a delta checkpoint has no reference")
+        header = cls(
+            step=_get(d, "step", int, where, None),
+            save_type=save_type,
+            chain_length=_get(d, "chain_length", int, where, 0),
+            base_interval=_get(d, "base_interval", int, where, 1),
+            reference=reference if save_type == "delta" else None,
+            chunk_bytes=_get(d, "chunk_bytes", int, where, DEFAULT_CHUNK_BYTES),
+            process_count=_get(d, "process_count", int, where, 1),
+            primary_host=_get(d, "primary_host", int, where, 0),
+            programs=_get(d, "programs", str, where, "tree"),
+            writer=_get(d, "writer", str, where, "orbax-lossy"),
+            save_id=_get(d, "save_id", str, where, None),
+        )
+        if header.chain_length < 0 or header.process_count < 1 or header.chunk_bytes < 1:
+            raise _fail(where, "header has an out-of-range value")
+        if header.programs not in ("tree", "per_leaf"):
+            raise _fail(where, f"unknown program layout {header.programs!r}")
+        return header
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafEntry:
+    """One leaf of the leaf table."""
+
+    path: StoredPath
+    storage: str  # one of STORAGES
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    key_impl: str | None
+    codec_config: dict[str, Any]
+    chunk: tuple[int, ...]
+    side: dict[str, np.ndarray]
+    role: str | None
+    rel_error: float
+    pieces: tuple[PieceRef, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The leaf's path string (``params/Dense_0/kernel``)."""
+        return path_str(self.path)
+
+    @cached_property
+    def codec(self) -> Codec:
+        """The codec instance (decoded from its stored config)."""
+        return codec_from_config(self.codec_config, self.name)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Payload bytes of this leaf in this checkpoint."""
+        return sum(p.length for p in self.pieces)
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes of the leaf's value in memory."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def to_msgpack(self, with_pieces: bool = True) -> dict[str, Any]:
+        """On-disk form."""
+        out: dict[str, Any] = {
+            "path": [list(p) for p in self.path],
+            "kind": self.storage,
+            "shape": list(self.shape),
+            "dtype": self.dtype.name,
+            "key_impl": self.key_impl,
+            "codec": dict(self.codec_config),
+            "chunk": list(self.chunk),
+            "side": {
+                k: {"dtype": v.dtype.name, "shape": list(v.shape), "data": v.tobytes()}
+                for k, v in self.side.items()
+            },
+            "role": self.role,
+            "rel_error": self.rel_error,
+        }
+        if with_pieces:
+            out["pieces"] = [p.to_msgpack() for p in self.pieces]
+            out["stored_bytes"] = self.stored_bytes
+        return out
+
+    @classmethod
+    def parse(cls, d: Any, where: str) -> LeafEntry:
+        """Validate one leaf entry, its side arrays and its pieces."""
+        path = _path(_get(d, "path", list, where), where)
+        lw = f"{where}: leaf {path_str(path)!r}"
+        storage = _get(d, "kind", str, lw)
+        if storage not in STORAGES:
+            raise _fail(lw, f"unknown storage {storage!r}")
+        shape = _shape(_get(d, "shape", list, lw), lw)
+        dtype = _dtype(_get(d, "dtype", str, lw), lw)
+        chunk = _shape(_get(d, "chunk", list, lw, list(shape) or []), lw, "chunk")
+        if len(chunk) != len(shape) or any(c < 1 for c in chunk if shape):
+            raise _fail(lw, f"chunk {chunk} does not fit shape {shape}")
+        codec_config = _get(d, "codec", dict, lw)
+        try:
+            codec = codec_from_config(codec_config, lw)
+        except LossyError:
+            raise
+        except Exception as e:  # a codec constructor rejecting odd values
+            raise _fail(lw, f"bad codec config {str(codec_config)[:200]} ({e})") from e
+        side = {}
+        side_bytes = 0
+        for name, s in _get(d, "side", dict, lw, {}).items():
+            sw = f"{lw} side array {name!r}"
+            sd = _dtype(_get(s, "dtype", str, sw), sw)
+            sshape = _shape(_get(s, "shape", list, sw), sw)
+            data = _get(s, "data", bytes, sw)
+            side_bytes += len(data)
+            if len(data) != math.prod(sshape) * sd.itemsize or side_bytes > MAX_SIDE_BYTES:
+                raise _fail(sw, "has the wrong size")
+            side[str(name)] = np.frombuffer(data, sd).reshape(sshape)
+        rel_error = _get(d, "rel_error", (float, int), lw, 0.0)
+        try:
+            fields = codec.field_dtypes(dtype)
+        except Exception as e:
+            raise _fail(lw, f"codec {codec_config.get('id')!r} cannot store dtype {dtype}") from e
+        pieces = tuple(PieceRef.from_msgpack(p, lw) for p in _get(d, "pieces", list, lw, []))
+        for p in pieces:
+            if p.field not in fields:
+                raise _fail(lw, f"piece of unknown field {p.field!r}")
+            if not box_inside(p.box, shape) or (shape and not within_one_chunk(p.box, chunk)):
+                raise _fail(lw, f"piece box {p.box} lies outside the leaf or its chunk")
+        return cls(
+            path=path,
+            storage=storage,
+            shape=shape,
+            dtype=dtype,
+            key_impl=_get(d, "key_impl", str, lw, None),
+            codec_config=dict(codec_config),
+            chunk=chunk,
+            side=side,
+            role=_get(d, "role", str, lw, None),
+            rel_error=float(rel_error),
+            pieces=pieces,
+        )
+
+    def check_coverage(self, where: str) -> None:
+        """Every field's pieces cover the array exactly once (by volume)."""
+        total = math.prod(self.shape)
+        covered: dict[str, int] = {}
+        for p in self.pieces:
+            covered[p.field] = covered.get(p.field, 0) + math.prod(b - a for a, b in p.box)
+        for name, count in covered.items():
+            if count != total:
+                raise _fail(
+                    where, f"leaf {self.name!r} field {name!r} covers {count} of {total} elements"
+                    " (a process did not write its shards)"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """A parsed, validated manifest."""
+
+    header: Header
+    leaves: tuple[LeafEntry, ...]
+
+    @cached_property
+    def index(self) -> dict[StoredPath, int]:
+        """Leaf position by path."""
+        return {leaf.path: i for i, leaf in enumerate(self.leaves)}
+
+    def to_msgpack(self) -> dict[str, Any]:
+        """On-disk form."""
+        return {**self.header.to_msgpack(), "leaves": [x.to_msgpack() for x in self.leaves]}
+
+    @classmethod
+    def parse(cls, body: Any, where: str) -> Manifest:
+        """Validate a whole manifest body."""
+        leaves = _get(body, "leaves", list, where)
+        if len(leaves) > MAX_LEAVES:
+            raise _fail(where, f"{len(leaves)} leaves is more than any writer produces")
+        header = Header.parse(body, where)
+        if header.chunk_bytes > MAX_CHUNK_BYTES:
+            raise _fail(where, f"chunk size {header.chunk_bytes} is larger than any we write")
+        parsed = tuple(LeafEntry.parse(leaf, where) for leaf in leaves)
+        for leaf in parsed:
+            # The grid follows from the shape: a claimed chunk cannot make a piece (and so
+            # the memory a restore allocates for it) larger than the writer's chunks.
+            expected = chunk_shape_for(leaf.shape, leaf.dtype.itemsize, header.chunk_bytes)
+            if leaf.shape and leaf.chunk != expected:
+                raise _fail(where, f"leaf {leaf.name!r}: chunk {leaf.chunk} is not the grid "
+                            f"{expected} of its shape")
+            leaf.check_coverage(where)
+        manifest = cls(header, parsed)
+        if len(manifest.index) != len(parsed):
+            raise _fail(where, "two leaves have the same path")
+        return manifest
+
+
+def read_manifest(item_dir: os.PathLike | str) -> Manifest:
+    """Read, check and parse ``<item_dir>/manifest.msgpack``."""
+    path = os.path.join(os.fspath(item_dir), MANIFEST_NAME)
+    return Manifest.parse(read_envelope(path, "manifest"), path)
+
+
+def write_manifest(item_dir: os.PathLike | str, manifest: Manifest) -> None:
+    """Write ``<item_dir>/manifest.msgpack``."""
+    write_envelope(os.path.join(os.fspath(item_dir), MANIFEST_NAME), "manifest",
+                   manifest.to_msgpack())
+
+
+def pieces_by_field(leaf: LeafEntry) -> dict[str, list[PieceRef]]:
+    """A leaf's pieces grouped by field."""
+    out: dict[str, list[PieceRef]] = {}
+    for p in leaf.pieces:
+        out.setdefault(p.field, []).append(p)
+    return out
+

@@ -1,0 +1,148 @@
+"""Payload files: each process appends encoded pieces to ``data.p<K>.bin``.
+
+A :class:`PieceRef` records where one piece (one chunk-grid cell of one field of one leaf)
+lives and its crc32; every read verifies size and checksum.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from orbax_lossy.errors import ChecksumError, FormatError, TruncatedError
+from orbax_lossy.format.envelope import crc32, regular_file_size
+from orbax_lossy.format.grid import Box
+
+_DATA_FILE = re.compile(r"data\.p\d{1,6}\.bin")
+
+
+def data_file_name(process_index: int) -> str:
+    """Payload file of one process."""
+    return f"data.p{process_index}.bin"
+
+
+def index_file_name(process_index: int) -> str:
+    """Per-process index file (merged into the manifest by ``finalize``)."""
+    return f"index.p{process_index}.msgpack"
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class PieceRef:
+    """Where one encoded piece of one field of one leaf lives."""
+
+    field: str
+    box: Box
+    file: str
+    offset: int
+    length: int
+    crc32: int
+
+    def to_msgpack(self) -> dict[str, Any]:
+        """The manifest entry of this piece."""
+        return {
+            "field": self.field,
+            "box": [list(b) for b in self.box],
+            "file": self.file,
+            "offset": self.offset,
+            "length": self.length,
+            "crc32": self.crc32,
+        }
+
+    @classmethod
+    def from_msgpack(cls, d: Any, where: str) -> PieceRef:
+        """Parse and validate a manifest piece entry."""
+        try:
+            if not isinstance(d, dict) or not isinstance(d["field"], str):
+                raise TypeError("not a piece entry")
+            if not isinstance(d["file"], str):
+                raise TypeError("file is not a string")
+            box = tuple((_int(a), _int(b)) for a, b in d["box"])
+            ref = cls(
+                field=d["field"],
+                box=box,
+                file=d["file"],
+                offset=_int(d["offset"]),
+                length=_int(d["length"]),
+                crc32=_int(d["crc32"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise FormatError(f"{where}: malformed piece entry {str(d)[:200]}") from e
+        if ref.offset < 0 or ref.length < 0 or any(b < a or a < 0 for a, b in box):
+            raise FormatError(f"{where}: impossible piece entry {str(d)[:200]}")
+        if not _DATA_FILE.fullmatch(ref.file):
+            raise FormatError(f"{where}: piece file name {ref.file!r} is not allowed")
+        return ref
+
+
+class PayloadWriter:
+    """Appends pieces to one process's data file and records their location and crc32."""
+
+    def __init__(self, path: os.PathLike | str) -> None:
+        self._path = os.fspath(path)
+        self._name = os.path.basename(self._path)
+        self._file = open(self._path, "wb")  # noqa: SIM115 - closed in close()
+        self._offset = 0
+
+    def append(self, field: str, box: Box, payload: bytes) -> PieceRef:
+        """Write one piece; returns its reference."""
+        self._file.write(payload)
+        ref = PieceRef(field, box, self._name, self._offset, len(payload), crc32(payload))
+        self._offset += len(payload)
+        return ref
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes appended so far."""
+        return self._offset
+
+    def close(self) -> None:
+        """Flush, fsync and close the file."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+
+class PayloadReader:
+    """Reads pieces back, verifying size and checksum; counts the bytes it read."""
+
+    def __init__(self, directory: os.PathLike | str) -> None:
+        self._dir = os.fspath(directory)
+        self._sizes: dict[str, int] = {}
+        self.bytes_read = 0
+
+    def file_size(self, name: str, where: str) -> int:
+        """Size of one payload file of this directory (a regular file), cached."""
+        size = self._sizes.get(name)
+        if size is None:
+            size = regular_file_size(os.path.join(self._dir, name), f"{where}: payload file")
+            self._sizes[name] = size
+        return size
+
+    def read(self, ref: PieceRef, where: str) -> bytes:
+        """The verified bytes of one piece."""
+        path = os.path.join(self._dir, ref.file)
+        size = self.file_size(ref.file, where)
+        if ref.offset + ref.length > size:
+            raise TruncatedError(
+                f"{where}: {path} has {size} bytes but a piece ends at {ref.offset + ref.length}"
+            )
+        with open(path, "rb") as f:
+            f.seek(ref.offset)
+            data = f.read(ref.length)
+        self.bytes_read += len(data)
+        if len(data) != ref.length:
+            raise TruncatedError(f"{where}: short read from {path}")
+        if crc32(data) != ref.crc32:
+            raise ChecksumError(
+                f"{where}: checksum mismatch in {path} at offset {ref.offset} "
+                f"({ref.length} bytes): the checkpoint is corrupted"
+            )
+        return data
