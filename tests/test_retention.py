@@ -3,6 +3,7 @@ step the manager lists stays restorable (bit for bit), across restarts."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import orbax_lossy as ol
-from orbax_lossy.handler import read_manifest
+from orbax_lossy.format.manifest import read_manifest_body as read_manifest
 from orbax_lossy.treepaths import flatten, path_str
 
 P = ocp.checkpoint_managers
@@ -182,3 +183,34 @@ def test_unmanaged_deltas_opt_in_breaks_the_chain(tmp_path):
         with pytest.raises(ol.MissingStepError) as e:
             mngr.restore(2)
         assert e.value.step == 1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ocp.CheckpointManagerOptions(max_to_keep=2),
+        ocp.CheckpointManagerOptions(max_to_keep=1, keep_period=3),
+        ocp.CheckpointManagerOptions(
+            max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min",
+            keep_checkpoints_without_metrics=False,
+        ),
+        ocp.CheckpointManagerOptions(keep_time_interval=datetime.timedelta(seconds=30)),
+    ],
+)
+def test_legacy_options_become_the_policy_orbax_builds(options):
+    from orbax.checkpoint import checkpoint_manager as cm
+
+    from orbax_lossy.retention import legacy_preservation_policy
+
+    t0 = datetime.datetime(2024, 1, 1)
+    infos = [
+        P.PolicyCheckpointInfo(
+            step=s, time=t0 + datetime.timedelta(seconds=20 * s),
+            metrics=None if s == 4 else {"loss": (s * 7) % 5},
+        )
+        for s in range(8)
+    ]
+    ctx = P.PreservationContext()
+    ours = legacy_preservation_policy(options).should_preserve(infos, context=ctx)
+    orbax = cm._get_default_preservation_policy(options).should_preserve(infos, context=ctx)
+    assert list(ours) == list(orbax)
