@@ -3,6 +3,7 @@ step the manager lists stays restorable (bit for bit), across restarts."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import tempfile
@@ -202,9 +203,15 @@ def test_legacy_options_become_the_policy_orbax_builds(options):
 
     from orbax_lossy.retention import legacy_preservation_policy
 
+    @dataclasses.dataclass
+    class Info:
+        step: int
+        time: datetime.datetime
+        metrics: dict | None
+
     t0 = datetime.datetime(2024, 1, 1)
     infos = [
-        P.PolicyCheckpointInfo(
+        Info(
             step=s, time=t0 + datetime.timedelta(seconds=20 * s),
             metrics=None if s == 4 else {"loss": (s * 7) % 5},
         )
