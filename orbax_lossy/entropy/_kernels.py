@@ -206,27 +206,93 @@ def deserialize_lengths(data: np.ndarray, pos: int, a: int, lens: np.ndarray) ->
     return (k + 1) // 2
 
 
+# ------------------------------------------------------------------- bit writer and reader
+# Small kernels that the encoders and decoders below call in their inner loops; numba
+# inlines them (``inline="always"``), so they cost nothing over writing the loop out.
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _put_bits(out, pos, acc, nacc, value, nbits):
+    """Append the ``nbits`` low bits of ``value`` (MSB first), writing every whole byte.
+
+    ``acc`` holds the ``nacc < 8`` pending bits; returns the new ``(pos, acc, nacc)``.
+    """
+    acc = (acc << np.uint64(nbits)) | np.uint64(value)
+    nacc += nbits
+    while nacc >= 8:
+        nacc -= 8
+        out[pos] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(0xFF))
+        pos += 1
+    return pos, acc, nacc
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _end_block(out, pos, acc, nacc, block_ends, b):
+    """Write block ``b``'s pending bits zero padded to a byte, record and return its end."""
+    if nacc > 0:
+        out[pos] = np.uint8((acc << np.uint64(8 - nacc)) & np.uint64(0xFF))
+        pos += 1
+    block_ends[b] = pos
+    return pos
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _read_code(data, pos, end, buf, nbits, lut, shift):
+    """Decode one prefix code with ``lut`` (see ``huffman.decode_table``).
+
+    ``buf`` holds ``nbits`` unread bits MSB-aligned; it is refilled from ``data[pos:end]``
+    (bytes past ``end`` read as zero), so a block's consumed bits are always
+    ``8 * (pos - start) - nbits``. Returns ``(symbol, length, pos, buf, nbits)``; length 0
+    means the bits start no code of the table (nothing is consumed then).
+    """
+    while nbits <= 56:
+        byte = data[pos] if pos < end else 0
+        buf |= np.uint64(byte) << np.uint64(56 - nbits)
+        pos += 1
+        nbits += 8
+    e = lut[buf >> shift]
+    ln = e & 15
+    buf <<= np.uint64(ln)
+    nbits -= ln
+    return e >> 4, ln, pos, buf, nbits
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _block_status(start, end, pos, nbits):
+    """Status of a decoded block ``data[start:end]`` whose reader stopped at ``pos, nbits``."""
+    used_bits = 8 * (pos - start) - nbits
+    if used_bits > 8 * (end - start):
+        return STATUS_OVERRUN
+    if (used_bits + 7) // 8 != end - start:
+        return STATUS_TRAILING
+    return STATUS_OK
+
+
 # ------------------------------------------------------------------------------- tuple mode
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _tuple_value(symbols, digit, m, k, t):
+    """Super-symbol of tuple ``t``: its ``k`` digits as a base-``m`` number, 0-padded at the end."""
+    n = symbols.size
+    v = 0
+    for i in range(t * k, t * k + k):
+        v = v * m + (digit[symbols[i]] if i < n else 0)
+    return v
 
 
 @njit(nogil=True, cache=True)
 def tuple_histogram(symbols: np.ndarray, digit: np.ndarray, m: int, k: int, alpha: int):
     """Histogram of the k-tuples (base-``m`` numbers of the symbols' digits), tail 0-padded."""
-    n = symbols.size
     hist = np.zeros(alpha, np.int64)
-    full = n // k
-    for t in range(full):
+    full = symbols.size // k
+    for t in range(full):  # whole tuples, without the padding test of _tuple_value
         v = 0
-        b = t * k
-        for j in range(k):
-            v = v * m + digit[symbols[b + j]]
+        for i in range(t * k, t * k + k):
+            v = v * m + digit[symbols[i]]
         hist[v] += 1
-    if full * k < n:
-        v = 0
-        for j in range(k):
-            i = full * k + j
-            v = v * m + (digit[symbols[i]] if i < n else 0)
-        hist[v] += 1
+    if full * k < symbols.size:
+        hist[_tuple_value(symbols, digit, m, k, full)] += 1
     return hist
 
 
@@ -253,22 +319,9 @@ def tuple_encode(
         acc = np.uint64(0)
         nacc = 0
         for t in range(u0, u1):
-            v = 0
-            base = t * k
-            for j in range(k):
-                i = base + j
-                v = v * m + (digit[symbols[i]] if i < n else 0)
-            ln = lens[v]
-            acc = (acc << np.uint64(ln)) | np.uint64(codes[v])
-            nacc += ln
-            while nacc >= 8:
-                nacc -= 8
-                out[pos] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(0xFF))
-                pos += 1
-        if nacc > 0:
-            out[pos] = np.uint8((acc << np.uint64(8 - nacc)) & np.uint64(0xFF))
-            pos += 1
-        block_ends[b] = pos
+            v = _tuple_value(symbols, digit, m, k, t)
+            pos, acc, nacc = _put_bits(out, pos, acc, nacc, codes[v], lens[v])
+        pos = _end_block(out, pos, acc, nacc, block_ends, b)
     return pos
 
 
@@ -300,29 +353,16 @@ def tuple_decode(
         o = u0 * k
         buf = np.uint64(0)
         nbits = 0
-        used = 0
         for _ in range(cnt):
-            while nbits <= 56:
-                byte = data[pos] if pos < end else 0
-                buf |= np.uint64(byte) << np.uint64(56 - nbits)
-                pos += 1
-                nbits += 8
-            e = lut[buf >> shift]
-            ln = e & 15
+            s, ln, pos, buf, nbits = _read_code(data, pos, end, buf, nbits, lut, shift)
             if ln == 0:
                 return STATUS_BAD_CODE
-            buf <<= np.uint64(ln)
-            nbits -= ln
-            used += ln
-            s = e >> 4
             for j in range(k):
                 out[o + j] = expand[s, j]
             o += k
-        size = end - offsets[b]
-        if used > 8 * size:
-            return STATUS_OVERRUN
-        if (used + 7) // 8 != size:
-            return STATUS_TRAILING
+        status = _block_status(offsets[b], end, pos, nbits)
+        if status != STATUS_OK:
+            return status
     return STATUS_OK
 
 
@@ -387,37 +427,22 @@ def zrun_encode(
             elif r == 0:
                 break
             c = run_code_of[r]
-            ln = rlens[c]
-            acc = (acc << np.uint64(ln)) | np.uint64(rcodes[c])
-            nacc += ln
+            pos, acc, nacc = _put_bits(out, pos, acc, nacc, rcodes[c], rlens[c])
             x = run_extra[c]
             if x > 0:
-                acc = (acc << np.uint64(x)) | np.uint64(r & ((1 << x) - 1))
-                nacc += x
-            while nacc >= 8:
-                nacc -= 8
-                out[pos] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(0xFF))
-                pos += 1
+                pos, acc, nacc = _put_bits(out, pos, acc, nacc, r & ((1 << x) - 1), x)
             if last:
                 break
-            ln = llens[s]
-            acc = (acc << np.uint64(ln)) | np.uint64(lcodes[s])
-            nacc += ln
-            while nacc >= 8:
-                nacc -= 8
-                out[pos] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(0xFF))
-                pos += 1
+            pos, acc, nacc = _put_bits(out, pos, acc, nacc, lcodes[s], llens[s])
             r = 0
-        if nacc > 0:
-            out[pos] = np.uint8((acc << np.uint64(8 - nacc)) & np.uint64(0xFF))
-            pos += 1
-        block_ends[b] = pos
+        pos = _end_block(out, pos, acc, nacc, block_ends, b)
     return pos
 
 
 @njit(nogil=True, cache=True)
 def zrun_decode(
     data: np.ndarray,
+    zsym: int,
     offsets: np.ndarray,
     rlut: np.ndarray,
     rbits: int,
@@ -425,7 +450,6 @@ def zrun_decode(
     run_extra: np.ndarray,
     llut: np.ndarray,
     lbits: int,
-    zsym: int,
     block: int,
     n: int,
     out: np.ndarray,
@@ -443,28 +467,16 @@ def zrun_decode(
         oend = min(o + block, n)
         buf = np.uint64(0)
         nbits = 0
-        used = 0
         while o < oend:
-            while nbits <= 56:
-                byte = data[pos] if pos < end else 0
-                buf |= np.uint64(byte) << np.uint64(56 - nbits)
-                pos += 1
-                nbits += 8
-            e = rlut[buf >> rshift]
-            ln = e & 15
+            c, ln, pos, buf, nbits = _read_code(data, pos, end, buf, nbits, rlut, rshift)
             if ln == 0:
                 return STATUS_BAD_CODE
-            buf <<= np.uint64(ln)
-            nbits -= ln
-            used += ln
-            c = e >> 4
             r = run_base[c]
             x = run_extra[c]
             if x > 0:
                 r += np.int64(buf >> np.uint64(64 - x))
                 buf <<= np.uint64(x)
                 nbits -= x
-                used += x
             if r > oend - o:
                 return STATUS_RUN_TOO_LONG
             for j in range(o, o + r):
@@ -472,23 +484,12 @@ def zrun_decode(
             o += r
             if o == oend:
                 break
-            while nbits <= 56:
-                byte = data[pos] if pos < end else 0
-                buf |= np.uint64(byte) << np.uint64(56 - nbits)
-                pos += 1
-                nbits += 8
-            e = llut[buf >> lshift]
-            ln = e & 15
+            lit, ln, pos, buf, nbits = _read_code(data, pos, end, buf, nbits, llut, lshift)
             if ln == 0:
                 return STATUS_BAD_CODE
-            buf <<= np.uint64(ln)
-            nbits -= ln
-            used += ln
-            out[o] = np.uint8(e >> 4)
+            out[o] = np.uint8(lit)
             o += 1
-        size = end - offsets[b]
-        if used > 8 * size:
-            return STATUS_OVERRUN
-        if (used + 7) // 8 != size:
-            return STATUS_TRAILING
+        status = _block_status(offsets[b], end, pos, nbits)
+        if status != STATUS_OK:
+            return status
     return STATUS_OK

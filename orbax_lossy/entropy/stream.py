@@ -52,6 +52,8 @@ import numpy as np
 
 from orbax_lossy.entropy import _kernels as K
 from orbax_lossy.entropy import huffman
+from orbax_lossy.entropy.varint import encode_uvarint as _uvarint
+from orbax_lossy.entropy.varint import read_uvarint
 from orbax_lossy.errors import CodecError, FormatError, TruncatedError
 
 MODE_RAW = 0
@@ -83,30 +85,8 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _uvarint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
 def _read_uvarint(buf: np.ndarray, pos: int, what: str) -> tuple[int, int]:
-    value = 0
-    for i in range(9):
-        if pos + i >= buf.size:
-            raise TruncatedError(f"symbol stream ends inside {what}")
-        b = int(buf[pos + i])
-        value |= (b & 0x7F) << (7 * i)
-        if not b & 0x80:
-            if i and b == 0:
-                raise FormatError(f"non-canonical varint for {what}")
-            return value, pos + i + 1
-    raise FormatError(f"varint for {what} is longer than 9 bytes")
+    return read_uvarint(buf, pos, what, "symbol stream")
 
 
 def _read_u8(buf: np.ndarray, pos: int, what: str) -> tuple[int, int]:
@@ -366,7 +346,7 @@ def _decode_zrun(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
 
     def kernel(b0: int, b1: int) -> int:
         return K.zrun_decode(
-            buf, offsets, rlut, rbits, K.RUN_BASE, K.RUN_EXTRA, llut, lbits, zsym, block, n,
+            buf, zsym, offsets, rlut, rbits, K.RUN_BASE, K.RUN_EXTRA, llut, lbits, block, n,
             out, b0, b1,
         )  # fmt: skip
 
