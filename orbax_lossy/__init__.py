@@ -1,5 +1,6 @@
 """orbax-lossy: lossy, delta-coded Orbax checkpoints for JAX/Flax training."""
 
+from orbax_lossy._version import __version__ as __version__
 from orbax_lossy.adaptive import AdaptivePolicy
 from orbax_lossy.codecs.bitmask import Bitmask
 from orbax_lossy.codecs.cluster import Cluster
@@ -21,8 +22,6 @@ from orbax_lossy.manager import checkpoint_manager
 from orbax_lossy.policy import LeafPolicy
 from orbax_lossy.retention import ChainPreservationPolicy, chain_dependencies, kept_for_chains
 from orbax_lossy.stats import checkpoint_stats
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AdaptivePolicy",

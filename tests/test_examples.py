@@ -6,6 +6,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # subprocess: deselect with -m 'not slow'
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

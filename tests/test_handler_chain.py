@@ -145,6 +145,7 @@ def test_every_step_of_a_multi_base_chain_restores_bitwise(
     fresh.close()
 
 
+@pytest.mark.slow
 def test_restore_without_args_in_a_fresh_process(tmp_path, assert_bitwise):
     handler = ol.LossyCheckpointHandler(base_interval=4)
     with ol.checkpoint_manager(tmp_path, handler=handler, max_to_keep=None) as mngr:

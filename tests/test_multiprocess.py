@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocesses: deselect with -m 'not slow'
+
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 TIMEOUT_S = 120
 
