@@ -42,9 +42,9 @@ def _run_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     r = np.arange(MAX_RUN_BLOCK + 1, dtype=np.int64)
     code_of = np.minimum(r, 15).astype(np.uint8)
     big = r >= 16
-    e = np.floor(np.log2(np.maximum(r, 1))).astype(np.int64)
-    sub = (r >> np.maximum(e - 2, 0)) & 3
-    code_of[big] = (16 + (e[big] - 4) * 4 + sub[big]).astype(np.uint8)
+    octave = np.floor(np.log2(np.maximum(r, 1))).astype(np.int64)
+    bucket = (r >> np.maximum(octave - 2, 0)) & 3
+    code_of[big] = (16 + (octave[big] - 4) * 4 + bucket[big]).astype(np.uint8)
     return base, extra, code_of
 
 
