@@ -1,11 +1,11 @@
 """orbax-lossy: lossy, delta-coded Orbax checkpoints for JAX/Flax training."""
 
 from orbax_lossy._version import __version__ as __version__
-from orbax_lossy.adaptive import AdaptivePolicy
 from orbax_lossy.codecs.bitmask import Bitmask
 from orbax_lossy.codecs.cluster import Cluster
 from orbax_lossy.codecs.exact import Exact
 from orbax_lossy.codecs.lc import LC
+from orbax_lossy.codecs.uniform import Uniform
 from orbax_lossy.errors import (
     ChainError,
     ChecksumError,
@@ -19,7 +19,7 @@ from orbax_lossy.errors import (
 )
 from orbax_lossy.handler import LossyCheckpointHandler, LossyRestore, LossySave
 from orbax_lossy.manager import checkpoint_manager
-from orbax_lossy.policy import LeafPolicy
+from orbax_lossy.policy import AdaptivePolicy, LeafPolicy
 from orbax_lossy.retention import ChainPreservationPolicy, chain_dependencies, kept_for_chains
 from orbax_lossy.stats import checkpoint_stats
 
@@ -42,6 +42,7 @@ __all__ = [
     "LossySave",
     "MissingStepError",
     "TruncatedError",
+    "Uniform",
     "UnsupportedVersionError",
     "chain_dependencies",
     "checkpoint_manager",

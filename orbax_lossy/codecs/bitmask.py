@@ -1,47 +1,32 @@
 """``bitmask``: BitSnap-style bitmask sparsification of a leaf against its reference.
 
-Between nearby checkpoints most elements of a low-precision leaf (bfloat16 weights) do not
-change at all: the update is below half an ulp. This codec stores
-
-* ``mask`` (uint8 0/1 per element): the element's bit pattern differs from the reference
-  reconstruction's. Entropy coded with :func:`~orbax_lossy.entropy.encode_symbols`, whose
-  zero-run mode makes an almost-empty mask cost far below one bit per element;
-* exact mode (``bits=None``, the default): ``xor`` (unsigned int of the leaf's width), the
-  element's bits XOR the reference's bits, hence 0 wherever the mask is 0. It is coded by byte
-  planes (:mod:`~orbax_lossy.codecs.lossless`): a one-ulp change flips only low bits, so the
-  high plane is almost all zeros and the low plane holds a few small bytes; the zeros of
-  unchanged elements cost almost nothing. (XOR was measured smaller than storing the changed
-  values themselves with zeros elsewhere, whose exponent plane is dense where changed.)
-  ``recon == value`` bit for bit;
-* quantized mode (``bits=b``): ``sym`` (uint8), LC-Checkpoint exponent symbols
-  (:func:`~orbax_lossy.codecs.lc.promote`) of the changed elements' deltas, 0 elsewhere, with
-  the ``2**b`` representatives as a side array. Unchanged elements stay bit-exact; changed ones
-  decode to ``reference + rep[sym]``. (Without the mask this is plain LC; the mask costs
-  ``H(p)`` bits per element extra, little when the change is sparse.)
-
-Both per-element fields are shaped like the leaf, so they are cut into chunk-grid pieces and
-restored onto any sharding like any other field. The codec needs a reference, so the handler
-never uses it on a base save.
+Between nearby checkpoints most elements of a low-precision leaf do not change at all. The
+codec stores a ``mask`` of changed elements (bit patterns differ from the reference) and
+either their bits XOR the reference's (``bits=None``: exact, byte-plane coded) or LC
+exponent symbols of their deltas (``bits=b``). Specification: ``docs/codecs.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_lossy.codecs import lossless
 from orbax_lossy.codecs.base import (
+    CodecBase,
     Encoded,
-    dataclass_config,
-    decode_symbol_field,
-    encode_symbol_field,
-    register_codec,
+    ErrorMeasure,
+    Estimate,
+    Field,
+    binary_entropy,
+    rounding_slack,
+    work_dtype,
 )
-from orbax_lossy.codecs.lc import dequantize, promote, work_dtype
+from orbax_lossy.codecs.lc import LC, dequantize, promote, promote_bound
 from orbax_lossy.errors import CodecError
 
 
@@ -73,9 +58,8 @@ def changed_mask(value: jax.Array, reference: jax.Array) -> jax.Array:
     return (as_words(value) != as_words(reference.astype(value.dtype))).astype(jnp.uint8)
 
 
-@register_codec
 @dataclasses.dataclass(frozen=True)
-class Bitmask:
+class Bitmask(CodecBase):
     """Bitmask sparsification: exact by default, ``bits`` quantizes the changed deltas."""
 
     bits: int | None = None
@@ -93,17 +77,14 @@ class Bitmask:
         ):
             raise CodecError(f"Bitmask bits must be None or an int in 1..8, got {self.bits!r}")
 
-    def config(self) -> dict[str, Any]:
-        return dataclass_config(self)
-
-    def field_dtypes(self, dtype: np.dtype) -> dict[str, np.dtype]:
+    def fields(self) -> dict[str, Field]:
         if self.bits is None:
-            return {"mask": np.dtype(np.uint8), "xor": word_dtype(dtype)}
-        return {"mask": np.dtype(np.uint8), "sym": np.dtype(np.uint8)}
+            return {"mask": Field.symbols(2), "xor": Field.lossless(word_dtype)}
+        return {"mask": Field.symbols(2), "sym": Field.symbols(2**self.bits)}
 
     # ------------------------------------------------------------------ device half
 
-    def device_encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded:
+    def encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded:
         if reference is None:
             raise CodecError("the bitmask codec needs a reference")
         reference = reference.astype(value.dtype)
@@ -120,29 +101,56 @@ class Bitmask:
         side = {"rep": reps}
         return Encoded(fields=fields, side=side, recon=self._quantized(fields, side, reference))
 
-    def device_decode(self, fields, side, reference, dtype) -> jax.Array:
+    def decode(
+        self,
+        fields: dict[str, jax.Array],
+        side: dict[str, jax.Array],
+        reference: jax.Array | None,
+        dtype: Any,
+    ) -> jax.Array:
+        if reference is None:
+            raise CodecError("the bitmask codec needs a reference")
         reference = reference.astype(dtype)
         if self.bits is None:
             return from_words(as_words(reference) ^ fields["xor"], dtype)
         return self._quantized(fields, side, reference)
 
     @staticmethod
-    def _quantized(fields: dict[str, jax.Array], side: dict[str, jax.Array], reference):
+    def _quantized(
+        fields: dict[str, jax.Array], side: dict[str, jax.Array], reference: jax.Array
+    ) -> jax.Array:
         wd = work_dtype(reference.dtype)
         moved = (reference.astype(wd) + dequantize(fields["sym"], side["rep"].astype(wd)))
         return jnp.where(fields["mask"] == 1, moved.astype(reference.dtype), reference)
 
-    # ------------------------------------------------------------------ host half
+    # ------------------------------------------------------------------ pricing
 
-    def host_encode(self, field: str, array: np.ndarray) -> bytes:
-        if field == "xor":
-            return lossless.encode_array(np.ascontiguousarray(array))
-        return encode_symbol_field(array)
+    def has_estimate(self, measure: ErrorMeasure) -> bool:
+        return self.bits is None or measure == "l2"
 
-    def host_decode(
-        self, field: str, data: bytes, shape: tuple[int, ...], dtype: np.dtype
+    def estimate(self, stats: Mapping[str, Any], n: int, dtype: np.dtype) -> Estimate:
+        """Exact: ``H2(p) + sum_j (H2(q_j) + 8 q_j)`` with ``p`` the changed fraction and
+        ``q_j`` the non-zero fraction of XOR byte plane ``j``. Quantized: ``H2(p)`` plus LC's
+        estimate (unchanged elements have a zero delta, which LC codes as symbol 0 too)."""
+        p = float(stats["changed"]) / n
+        if self.bits is None:
+            q = np.asarray(stats["plane_nonzero"], np.float64) / n
+            return Estimate(binary_entropy(p) + sum(binary_entropy(x) + 8 * x for x in q), 0.0)
+        lc = LC(self.bits).estimate(stats, n, dtype)
+        return lc._replace(bits_per_element=binary_entropy(p) + lc.bits_per_element)
+
+    # ------------------------------------------------------------------ conformance
+
+    @classmethod
+    def examples(cls) -> tuple[Bitmask, ...]:
+        return (Bitmask(), Bitmask(3))
+
+    def error_bound(
+        self, value: np.ndarray, reference: np.ndarray | None, encoded: Encoded
     ) -> np.ndarray:
-        if field == "xor":
-            return lossless.decode_array(data, shape, dtype)
-        alphabet = 2 if field == "mask" else 2 ** (self.bits or 8)
-        return decode_symbol_field(data, shape, alphabet)
+        changed = np.asarray(encoded.fields["mask"]) == 1
+        if self.bits is None:
+            return np.zeros(np.shape(value))
+        x = np.asarray(value, np.float64) - np.asarray(reference, np.float64)
+        bound = promote_bound(x, encoded.fields["sym"], encoded.side["rep"])
+        return rounding_slack(np.where(changed, bound, 0), value, encoded.recon, value.dtype)

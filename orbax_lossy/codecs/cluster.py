@@ -1,31 +1,9 @@
 """``cluster``: 1-D k-means (Lloyd) quantization, BitSnap's choice for optimizer states.
 
-Device half (pure JAX, traced into the tree-wide jitted program):
-
-1. The coded quantity ``x``: the value (``mode="direct"``) or the delta against the
-   reference reconstruction (``mode="delta"``), in float32 (float64 for float64 leaves). With
-   ``domain="log"`` (for Adam's second moment ``nu``: non-negative, many decades wide) the
-   clustered quantity is ``log(x)`` of the positive elements.
-2. Symbol 0 is reserved for exact zeros (``nu`` is 0 early in training; an unchanged element
-   has delta 0). In the log domain negative elements are also sent to symbol 0 (the domain is
-   meant for non-negative leaves; :class:`~orbax_lossy.adaptive.AdaptivePolicy` only picks it
-   for leaves whose minimum is >= 0).
-3. ``K = 2**bits - 1`` centroids are fitted on a deterministic strided subsample (at most
-   ``sample`` elements) of the non-zero elements: initialized at the sample's quantiles
-   ``(i + 1/2) / K``, then ``iters`` Lloyd iterations in a ``lax.fori_loop``. In 1-D the
-   clusters are intervals between centroid midpoints, so on the *sorted* sample every
-   iteration is ``K`` binary searches and a prefix-sum difference per cluster: no scatter,
-   no atomics, bit-reproducible on every backend. An empty cluster keeps its centroid.
-4. Every element is assigned to its nearest centroid (binary search among the midpoints).
-5. The side array ``codebook`` (``2**bits`` entries, ``codebook[0] == 0``) holds the
-   *decoded* values: the centroids, exponentiated in the log domain and clamped to
-   ``[smallest positive normal, largest finite]`` of the leaf dtype, so every non-zero
-   element of a log-domain leaf decodes strictly positive and finite. Decode is one gather
-   (plus the reference in delta mode), the very expression the reconstruction used.
-
-Direct mode codes the value alone (``needs_reference`` is False), so a policy may use it on
-base saves too (:class:`~orbax_lossy.adaptive.AdaptivePolicy` does for optimizer moments);
-delta mode needs the previous reconstruction. Symbols are uint8, entropy coded.
+``2**bits - 1`` centroids are fitted on a deterministic strided sample of the value (or of the
+delta, ``mode="delta"``; of ``log(value)`` with ``domain="log"``, for Adam's ``nu``); every
+element takes its nearest centroid, symbol 0 is reserved for exact zeros; the side
+``codebook`` holds the decoded values. Specification: ``docs/codecs.md``.
 """
 
 from __future__ import annotations
@@ -37,14 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_lossy.codecs.base import (
-    Encoded,
-    dataclass_config,
-    decode_symbol_field,
-    encode_symbol_field,
-    register_codec,
-)
-from orbax_lossy.codecs.lc import work_dtype
+from orbax_lossy.codecs.base import CodecBase, Encoded, Field, rounding_slack, work_dtype
 from orbax_lossy.errors import CodecError
 
 MODES = ("direct", "delta")
@@ -145,7 +116,7 @@ def fit_codebook(
 ) -> tuple[jax.Array, jax.Array]:
     """``(symbols uint8 shaped like x, codebook [2**bits] of decoded values)`` for ``x``.
 
-    ``x`` is the coded quantity in the work dtype (value or delta). See the module docstring.
+    ``x`` is the coded quantity in the work dtype (value or delta); see docs/codecs.md.
     """
     t, usable = coded_domain(x, domain)
     centroids = fit_centroids(t, usable, 2**bits - 1, iters, sample)
@@ -163,9 +134,8 @@ def codebook_values(centroids: jax.Array, domain: str, dtype: Any, wd: Any) -> j
     return jnp.concatenate([jnp.zeros((1,), wd), vals.astype(wd)])
 
 
-@register_codec
 @dataclasses.dataclass(frozen=True)
-class Cluster:
+class Cluster(CodecBase):
     """k-means quantization with ``2**bits - 1`` centroids plus an exact-zero code."""
 
     bits: int = 8
@@ -197,11 +167,8 @@ class Cluster:
         if not isinstance(self.sample, int) or self.sample < 2**self.bits:
             raise CodecError(f"Cluster sample must be an int >= 2**bits, got {self.sample!r}")
 
-    def config(self) -> dict[str, Any]:
-        return dataclass_config(self)
-
-    def field_dtypes(self, dtype: np.dtype) -> dict[str, np.dtype]:
-        return {"sym": np.dtype(np.uint8)}
+    def fields(self) -> dict[str, Field]:
+        return {"sym": Field.symbols(2**self.bits)}
 
     def _base(self, reference: jax.Array | None, wd: Any) -> jax.Array | None:
         if self.mode == "direct":
@@ -210,7 +177,7 @@ class Cluster:
             raise CodecError("Cluster mode='delta' needs a reference")
         return reference.astype(wd)
 
-    def device_encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded:
+    def encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded:
         if not jnp.issubdtype(value.dtype, jnp.floating):
             raise CodecError(f"Cluster codes floating-point leaves, got {value.dtype}")
         wd = work_dtype(value.dtype)
@@ -220,18 +187,39 @@ class Cluster:
             x, self.bits, self.domain, self.iters, self.sample, value.dtype
         )
         fields, side = {"sym": symbols}, {"codebook": codebook}
-        return Encoded(fields, side, self.device_decode(fields, side, reference, value.dtype))
+        return Encoded(fields, side, self.decode(fields, side, reference, value.dtype))
 
-    def device_decode(self, fields, side, reference, dtype) -> jax.Array:
+    def decode(
+        self,
+        fields: dict[str, jax.Array],
+        side: dict[str, jax.Array],
+        reference: jax.Array | None,
+        dtype: Any,
+    ) -> jax.Array:
         wd = work_dtype(dtype)
         decoded = side["codebook"].astype(wd)[fields["sym"].astype(jnp.int32)]
         base = self._base(reference, wd)
         return (decoded if base is None else base + decoded).astype(dtype)
 
-    def host_encode(self, field: str, array: np.ndarray) -> bytes:
-        return encode_symbol_field(array)
+    @classmethod
+    def examples(cls) -> tuple[Cluster, ...]:
+        return (Cluster(4, iters=4, sample=512), Cluster(8, domain="log", iters=8, sample=512),
+                Cluster(3, mode="delta", iters=4, sample=512))
 
-    def host_decode(
-        self, field: str, data: bytes, shape: tuple[int, ...], dtype: np.dtype
+    def error_bound(
+        self, value: np.ndarray, reference: np.ndarray | None, encoded: Encoded
     ) -> np.ndarray:
-        return decode_symbol_field(data, shape, 2**self.bits)
+        """Nearest codeword: no centroid is closer (in the coded domain) than the chosen one."""
+        v = np.asarray(value, np.float64)
+        base = 0.0 if reference is None else np.asarray(reference, np.float64)
+        x = v - base
+        book = np.asarray(encoded.side["codebook"], np.float64)[1:]
+        if self.domain == "log":
+            t = np.log(np.where(x > 0, x, 1))[..., None]
+            gap = np.min(np.abs(t - np.log(book)), axis=-1)
+            eps = float(np.finfo(np.float32).eps)
+            tol = 4 * eps * (np.abs(t[..., 0]) + 1)
+            bound = np.where(x > 0, x * np.expm1(gap + tol), np.abs(x))
+        else:
+            bound = np.where(x != 0, np.min(np.abs(x[..., None] - book), axis=-1), 0)
+        return rounding_slack(bound, value, encoded.recon, value.dtype)

@@ -7,43 +7,51 @@ leaves. The reconstruction is the value itself.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_lossy.codecs import lossless
-from orbax_lossy.codecs.base import Encoded, register_codec
+from orbax_lossy.codecs.base import (
+    CodecBase,
+    Encoded,
+    ErrorMeasure,
+    Estimate,
+    Field,
+    order0_entropy,
+)
 
 
-@register_codec
 @dataclasses.dataclass(frozen=True)
-class Exact:
+class Exact(CodecBase):
     """Lossless storage of a leaf of any dtype."""
 
     codec_id: ClassVar[str] = "exact"
-    needs_reference: ClassVar[bool] = False
     lossy: ClassVar[bool] = False
 
-    def config(self) -> dict[str, Any]:
-        return {}
+    def fields(self) -> dict[str, Field]:
+        return {"raw": Field.lossless()}
 
-    def field_dtypes(self, dtype: np.dtype) -> dict[str, np.dtype]:
-        return {"raw": np.dtype(dtype)}
-
-    def device_encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded:
+    def encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded:
         # A fresh buffer (not the caller's), so the reference survives donation of `value`.
-        recon = jnp.copy(value)
-        return Encoded(fields={"raw": value}, side={}, recon=recon)
+        return Encoded(fields={"raw": value}, side={}, recon=jnp.copy(value))
 
-    def device_decode(self, fields, side, reference, dtype) -> jax.Array:
+    def decode(
+        self,
+        fields: dict[str, jax.Array],
+        side: dict[str, jax.Array],
+        reference: jax.Array | None,
+        dtype: Any,
+    ) -> jax.Array:
         return fields["raw"].astype(dtype)
 
-    def host_encode(self, field: str, array: np.ndarray) -> bytes:
-        return lossless.encode_array(array)
+    def has_estimate(self, measure: ErrorMeasure) -> bool:
+        return True
 
-    def host_decode(
-        self, field: str, data: bytes, shape: tuple[int, ...], dtype: np.dtype
-    ) -> np.ndarray:
-        return lossless.decode_array(data, shape, dtype)
+    def estimate(self, stats: Mapping[str, Any], n: int, dtype: np.dtype) -> Estimate:
+        """``H(sign, exponent) + mantissa bits``, at most the raw width."""
+        raw = 8.0 * np.dtype(dtype).itemsize
+        mantissa = int(jnp.finfo(dtype).nmant)
+        return Estimate(min(raw, order0_entropy(stats["value_hist"]) + mantissa), 0.0)

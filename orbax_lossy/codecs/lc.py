@@ -1,61 +1,17 @@
 """``lc``: LC-Checkpoint (Chen et al., ICML 2020) exponent-based delta quantization.
 
-Device half (pure JAX, traced into the tree-wide jitted program):
-
-1. ``delta = value - reference`` in float32 (float64 for float64 leaves), where the reference
-   is the *reconstruction* of the previous checkpoint (closed loop, Algorithm 1 of the paper).
-2. Every non-zero element falls in a bucket keyed by its sign and base-2 exponent ``e``
-   (``2**(e-1) <= |delta| < 2**e``, from ``frexp``).
-3. Priority promotion: keep the buckets whose exponent is at least ``e_min``, the smallest
-   exponent such that the kept buckets fit in ``2**bits - 1`` non-zero symbols; symbol 0 means
-   "no change". Because the cut is by exponent, every dropped element is smaller in magnitude
-   than the lower edge of every kept bucket. (With ``bits=1`` there is one non-zero symbol; if
-   the top exponent holds both signs, the bucket with more elements is kept and the bound
-   holds per sign.)
-4. Each kept bucket decodes to the paper's representative ``(max + min) / 2`` of the
-   magnitudes in it, with the bucket's sign. The midrange (rather than the mean) is what makes
-   the relative error of every kept element strictly below 50%, and the sign never flips.
-5. ``recon = (reference + rep[symbol]).astype(dtype)``; restore runs the same expression.
-6. In a non-negative leaf (Adam's ``nu``), an element that is positive now but ``<= 0`` in the
-   reference is never dropped: it takes the smallest kept positive bucket's symbol, so it
-   decodes positive (over-estimating a second moment makes that element's step smaller, the
-   safe direction; dropping it would decode 0 and make the step huge); an element whose
-   quantized decrease would overshoot to ``<= 0`` keeps its positive reference (symbol 0).
-   Both are choices of the encoder; the decode expression is unchanged.
-
-``mode="direct"`` applies the same quantizer to the value itself instead of a delta (the issue's
-"moments through LC, direct or delta"): priority promotion then keeps the ``2**bits - 1``
-largest-exponent buckets of the value and sends every smaller element to 0 - magnitude pruning
-with a bound, in the spirit of ExCP's momentum shrinking. It needs no reference, so it can be
-used on base saves; it suits signed leaves such as Adam's first moment, never a second moment
-(a positive element pruned to 0 is refused by the handler's guard, which then stores the leaf
-exactly).
-
-``domain="log"`` (delta mode, ``bits >= 2``; for non-negative leaves such as Adam's ``nu``)
-quantizes ``log(value / reference)`` instead of the difference: buckets, promotion and
-midrange as above, on the log-ratio, so a dropped element keeps its reference within a
-relative error ``exp(2**e_min) - 1`` and every element has the same *relative* precision
-(a second moment spans many decades; a linear delta drops the small ones). The side table
-holds the factors ``exp(rep)`` (``factor[0] == 1``) and decode is one multiply,
-``min(reference * factor[symbol], max)``, the same IEEE expression on every backend. The top
-symbol is reserved for elements that are positive now but ``<= 0`` in the reference (no
-ratio): they decode to the largest such value (``side["born"]``); the next save corrects them.
-An element that drops to exactly 0 keeps its reference (the guard accepts it: the value is
-not positive).
-
-Statistics are **per leaf** (not per block): a leaf's deltas share one scale regime, the
-representative table costs ``2**bits`` floats per leaf instead of per block, and - most
-important for sharded arrays - the bucket choice is one global reduction per leaf, so every
-process and every shard agree on the alphabet without any host round trip. The scope is
-recorded in the manifest (``"stats": "leaf"``).
-
-Non-finite deltas (NaN/Inf) are never quantized: the handler stores such a leaf exactly for
-that save (see ``handler.py``), so no garbage is ever written.
+Every non-zero element of the delta (``mode="delta"``) or of the value (``mode="direct"``)
+falls in a (sign, base-2 exponent) bucket; priority promotion keeps the largest-exponent
+buckets that fit in ``2**bits - 1`` symbols, each decoding to its midrange; symbol 0 is
+"no change". ``domain="log"`` codes ``log(value / reference)`` for non-negative leaves.
+Statistics are per leaf. Specification and guarantees: ``docs/codecs.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -63,19 +19,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from orbax_lossy.codecs.base import (
+    CodecBase,
     Encoded,
-    dataclass_config,
-    decode_symbol_field,
-    encode_symbol_field,
-    register_codec,
+    ErrorMeasure,
+    Estimate,
+    Field,
+    order0_entropy,
+    rounding_slack,
+    work_dtype,
 )
 from orbax_lossy.errors import CodecError
 
-
-def work_dtype(dtype: Any) -> jnp.dtype:
-    """The float type deltas are computed in: float64 stays, everything else is float32."""
-    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
-
+__all__ = ["LC", "bucket_table", "dequantize", "promote", "table_estimate", "work_dtype"]
 
 def _exponent_range(dtype: jnp.dtype) -> tuple[int, int]:
     info = jnp.finfo(dtype)
@@ -152,9 +107,81 @@ def dequantize(symbols: jax.Array, reps: jax.Array) -> jax.Array:
     return reps[symbols.astype(jnp.int32)]
 
 
-@register_codec
+def bucket_table(x: jax.Array) -> dict[str, jax.Array]:
+    """Per (sign, exponent) bucket of ``x``: count, sum, sum of squares, max and min magnitude.
+
+    The statistics from which :func:`table_estimate` replays :func:`promote` on the host.
+    """
+    flat = x.reshape(-1)
+    bucket, n_buckets = exponent_buckets(flat)
+    seg = jnp.where(bucket < 0, n_buckets, bucket)
+    mag = jnp.abs(flat)
+    n = n_buckets + 1
+    big = jnp.asarray(jnp.inf, mag.dtype)
+    return {
+        "count": jax.ops.segment_sum(jnp.ones_like(seg), seg, num_segments=n)[:-1],
+        "sum": jax.ops.segment_sum(mag, seg, num_segments=n)[:-1],
+        "sumsq": jax.ops.segment_sum(jnp.square(mag), seg, num_segments=n)[:-1],
+        "max": jax.ops.segment_max(mag, seg, num_segments=n)[:-1],
+        "min": jax.ops.segment_min(jnp.where(bucket < 0, big, mag), seg, num_segments=n)[:-1],
+    }
+
+
+def kept_buckets(counts: np.ndarray, bits: int) -> np.ndarray:
+    """Which (sign, exponent) buckets :func:`promote` keeps, from the bucket counts (numpy)."""
+    n_symbols = 2**bits
+    present = (counts > 0).reshape(-1, 2)
+    per_exponent = present.sum(axis=1)
+    from_top = np.cumsum(per_exponent[::-1])[::-1]
+    keep = present & (from_top <= n_symbols - 1)[:, None]
+    if not keep.any() and present.any():
+        top = int(np.max(np.nonzero(per_exponent > 0)[0]))
+        c2 = counts.reshape(-1, 2)
+        keep[top, 1 if c2[top, 1] > c2[top, 0] else 0] = True
+    return keep.reshape(-1)
+
+
+def table_estimate(table: Mapping[str, np.ndarray], n: int, bits: int) -> tuple[float, float]:
+    """``(bits per element, ||error||^2)`` of :func:`promote` on ``n`` elements, from the table.
+
+    The error is computed, not bounded: a dropped bucket contributes its sum of squares, a
+    kept bucket with representative ``m = (max + min) / 2`` contributes
+    ``sum(x^2) - 2 m sum(x) + count m^2`` (clamped at 0; float32 sums make it accurate to
+    about a percent, so a 2% margin is added).
+    """
+    counts = np.asarray(table["count"], np.int64)
+    total = np.asarray(table["sum"], np.float64)
+    sumsq = np.asarray(table["sumsq"], np.float64)
+    present = counts > 0
+    mid = np.where(
+        present,
+        (np.where(present, np.asarray(table["max"], np.float64), 0)
+         + np.where(present, np.asarray(table["min"], np.float64), 0)) / 2,
+        0.0,
+    )
+    keep = kept_buckets(counts, bits)
+    kept_err = np.maximum(sumsq - 2 * mid * total + counts * np.square(mid), 0.0)
+    err_sq = 1.02 * float(sumsq[~keep].sum() + kept_err[keep].sum())
+    symbol_counts = np.append(counts[keep], n - counts[keep].sum())
+    return order0_entropy(symbol_counts), err_sq
+
+
+def promote_bound(
+    x: np.ndarray, symbols: np.ndarray, reps: np.ndarray, lifted: np.ndarray | None = None
+) -> np.ndarray:
+    """Elementwise bound of :func:`promote` on ``x`` (exact arithmetic): a kept element
+    decodes within 50% of itself, a dropped one to 0; a lifted one within its representative."""
+    x = np.asarray(x, np.float64)
+    kept = np.asarray(symbols) > 0
+    bound = np.where(kept, 0.5 * np.abs(x), np.abs(x))
+    if lifted is not None:
+        rep = np.abs(np.asarray(reps, np.float64)[np.asarray(symbols, np.int64)])
+        bound = np.where(lifted & kept, np.maximum(bound, rep), bound)
+    return bound
+
+
 @dataclasses.dataclass(frozen=True)
-class LC:
+class LC(CodecBase):
     """LC-Checkpoint delta codec with a ``2**bits`` symbol alphabet (zero included)."""
 
     bits: int = 3
@@ -183,13 +210,10 @@ class LC:
     def needs_reference(self) -> bool:
         return self.mode == "delta"
 
-    def config(self) -> dict[str, Any]:
-        return dataclass_config(self)
+    def fields(self) -> dict[str, Field]:
+        return {"sym": Field.symbols(2**self.bits)}
 
-    def field_dtypes(self, dtype: np.dtype) -> dict[str, np.dtype]:
-        return {"sym": np.dtype(np.uint8)}
-
-    def device_encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded:
+    def encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded:
         if not jnp.issubdtype(value.dtype, jnp.floating):
             raise CodecError(f"LC codes floating-point leaves, got {value.dtype}")
         wd = work_dtype(value.dtype)
@@ -218,7 +242,7 @@ class LC:
         return Encoded(fields={"sym": symbols}, side={"rep": reps}, recon=recon)
 
     def _encode_log(self, value: jax.Array, reference: jax.Array) -> Encoded:
-        """Log domain: quantize ``log(value / reference)``; see the module docstring."""
+        """Log domain: quantize ``log(value / reference)`` (docs/codecs.md)."""
         wd = work_dtype(value.dtype)
         v, r = value.astype(wd), reference.astype(wd)
         both = (v > 0) & (r > 0)
@@ -232,9 +256,15 @@ class LC:
         newborn = jnp.max(jnp.where(born, v, 0), initial=0).reshape(1)
         side = {"factor": factor, "born": newborn}
         fields = {"sym": symbols}
-        return Encoded(fields, side, self.device_decode(fields, side, reference, value.dtype))
+        return Encoded(fields, side, self.decode(fields, side, reference, value.dtype))
 
-    def device_decode(self, fields, side, reference, dtype) -> jax.Array:
+    def decode(
+        self,
+        fields: dict[str, jax.Array],
+        side: dict[str, jax.Array],
+        reference: jax.Array | None,
+        dtype: Any,
+    ) -> jax.Array:
         wd = work_dtype(dtype)
         if self.domain == "log":
             ref = reference.astype(wd)
@@ -247,10 +277,59 @@ class LC:
             return dequantize(fields["sym"], reps).astype(dtype)
         return (reference.astype(wd) + dequantize(fields["sym"], reps)).astype(dtype)
 
-    def host_encode(self, field: str, array: np.ndarray) -> bytes:
-        return encode_symbol_field(array)
+    # ------------------------------------------------------------------ pricing
 
-    def host_decode(
-        self, field: str, data: bytes, shape: tuple[int, ...], dtype: np.dtype
+    def has_estimate(self, measure: ErrorMeasure) -> bool:
+        return self.domain == "linear" and measure == "l2"
+
+    def estimate(self, stats: Mapping[str, Any], n: int, dtype: np.dtype) -> Estimate:
+        """Replays the promotion on the leaf's bucket table (``value_table`` or
+        ``delta_table``); error doubled for leaves narrower than float32 (rounding of the
+        reconstruction at most doubles it). ``inf`` where the guard would refuse the result."""
+        nonnegative = float(stats["value_min"]) >= 0
+        if self.mode == "direct":
+            if nonnegative:  # pruning a non-negative leaf zeroes positive elements
+                return Estimate(8.0, math.inf)
+            table = stats["value_table"]
+        else:
+            table = stats["delta_table"]
+            positive_kept = kept_buckets(np.asarray(table["count"]), self.bits).reshape(-1, 2)
+            if nonnegative and int(stats["born"]) > 0 and not positive_kept[:, 0].any():
+                return Estimate(8.0, math.inf)  # newborn elements would decode to 0
+        bpe, err_sq = table_estimate(table, n, self.bits)
+        err = (2.0 if np.dtype(dtype).itemsize < 4 else 1.0) * math.sqrt(err_sq)
+        norm = math.sqrt(max(float(stats["value_sq"]), 0.0))
+        rel = err / norm if norm > 0 else (0.0 if err_sq == 0 else math.inf)
+        if not self.needs_reference:
+            return Estimate(bpe, rel)
+        moved = math.sqrt(max(float(np.sum(table["sumsq"])), 0.0))
+        return Estimate(bpe, rel, err / moved if moved > 0 else (0.0 if err_sq == 0 else math.inf))
+
+    # ------------------------------------------------------------------ conformance
+
+    @classmethod
+    def examples(cls) -> tuple[LC, ...]:
+        return (LC(1), LC(3), LC(8), LC(3, mode="direct"), LC(2, domain="log"),
+                LC(4, domain="log"))
+
+    def error_bound(
+        self, value: np.ndarray, reference: np.ndarray | None, encoded: Encoded
     ) -> np.ndarray:
-        return decode_symbol_field(data, shape, 2**self.bits)
+        v = np.asarray(value, np.float64)
+        r = np.zeros_like(v) if reference is None else np.asarray(reference, np.float64)
+        sym = np.asarray(encoded.fields["sym"])
+        if self.domain == "log":
+            both = (v > 0) & (r > 0)
+            t = np.log(np.where(both, v, 1)) - np.log(np.where(both, r, 1))
+            kept = both & (sym > 0) & (sym < 2**self.bits - 1)
+            # the log-ratio itself is computed with an error of a few ulps of the logs
+            eps = float(jnp.finfo(work_dtype(value.dtype)).eps)
+            tol = 4 * eps * (np.abs(np.log(np.where(both, v, 1)))
+                             + np.abs(np.log(np.where(both, r, 1))) + 2)
+            bound = np.where(kept, v * np.expm1(0.5 * np.abs(t) + tol), np.abs(v - r))
+            born = float(np.asarray(encoded.side["born"])[0])
+            bound = np.where(sym == 2**self.bits - 1, np.abs(born - v), bound)
+        else:
+            lifted = (r <= 0) & (v > 0) & bool(np.all(v >= 0)) if self.mode == "delta" else None
+            bound = promote_bound(v - r, sym, np.asarray(encoded.side.get("rep", 0)), lifted)
+        return rounding_slack(bound, value, encoded.recon, value.dtype)
