@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orbax_lossy import program
 from orbax_lossy.codecs.base import codec_config, codec_from_config
 from orbax_lossy.codecs.bitmask import Bitmask
+from orbax_lossy.engine import device as program
 from orbax_lossy.errors import CodecError
 
 

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orbax_lossy import program
 from orbax_lossy.codecs.exact import Exact
 from orbax_lossy.codecs.lc import LC, promote
 from orbax_lossy.demo import training_run
+from orbax_lossy.engine import device as program
 
 
 def check_bounds(delta: np.ndarray, symbols: np.ndarray, reps: np.ndarray, bits: int) -> None:
