@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_lossy.engine import device as program
 from orbax_lossy.codecs import lossless
 from orbax_lossy.codecs.lc import LC
 from orbax_lossy.demo import training_run
+from orbax_lossy.engine import device as program
 from orbax_lossy.entropy import decode_symbols, encode_symbols, order0_entropy_bits
 
 

@@ -81,11 +81,11 @@ def kind_chain(directory: str, step: int) -> int:
     item = os.path.join(directory, str(step), "default")
     if not os.path.exists(os.path.join(item, "manifest.msgpack")):
         return 0
-    return int(ol.handler.read_manifest(item)["chain_length"])
+    return ol.format.read_manifest(item).header.chain_length
 
 
 def lossy_kind(directory: str, step: int) -> str:
-    return ol.handler.read_manifest(os.path.join(directory, str(step), "default"))["kind"]
+    return ol.format.read_manifest(os.path.join(directory, str(step), "default")).header.save_type
 
 
 def main() -> None:

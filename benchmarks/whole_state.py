@@ -241,7 +241,7 @@ def codec_counts(directory: str, steps: list[int]) -> collections.Counter:
     """Codec ids of the float moment/param leaves over all delta saves (from the manifests)."""
     counts: collections.Counter = collections.Counter()
     for s in steps:
-        man = ol.handler.read_manifest(os.path.join(directory, str(s), "default"))
+        man = ol.format.manifest.read_manifest_body(os.path.join(directory, str(s), "default"))
         if man["kind"] != "delta":
             continue
         for leaf in man["leaves"]:
@@ -323,7 +323,7 @@ def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
             for s in steps:
                 mngr.save(s, args=ol.LossySave(kept[s]))
                 mngr.wait_until_finished()
-                kind = ol.handler.read_manifest(os.path.join(d, str(s), "default"))["kind"]
+                kind = ol.format.read_manifest(os.path.join(d, str(s), "default")).header.save_type
                 sizes.append((kind, dir_bytes(os.path.join(d, str(s)))))
             mngr.close()
             # simulated failure: a fresh manager restores into a freshly built TrainState
@@ -331,8 +331,8 @@ def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
                                           max_to_keep=None)
             restored = fresh.restore(fail_step, args=ol.LossyRestore(work.init()))
             fresh.close()
-            fail_kind = ol.handler.read_manifest(
-                os.path.join(d, str(fail_step), "default"))["kind"]
+            fail_kind = ol.format.read_manifest(
+                os.path.join(d, str(fail_step), "default")).header.save_type
             assert int(restored.step) == fail_step, (int(restored.step), fail_step)
             err = {k: rel_l2(getattr_path(restored, k), getattr_path(kept[fail_step], k))
                    for k in ("params", "mu", "nu")}

@@ -140,11 +140,11 @@ def run(
         plain.save(step, args=ocp.args.StandardSave(state.params))
         lossy.wait_until_finished()
         plain.wait_until_finished()
-        manifest = ol.handler.read_manifest(os.path.join(lossy_dir, str(step), "default"))
+        manifest = ol.format.read_manifest(os.path.join(lossy_dir, str(step), "default"))
         rows.append(
             (
                 step,
-                manifest["kind"],
+                manifest.header.save_type,
                 _dir_bytes(os.path.join(lossy_dir, str(step))),
                 _dir_bytes(os.path.join(plain_dir, str(step))),
             )

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import warnings
 from typing import Any
 
 import jax
@@ -24,15 +23,14 @@ from orbax_lossy.args import LossyRestore, LossySave, validate_item
 from orbax_lossy.engine import device, save
 from orbax_lossy.engine import restore as restoring
 from orbax_lossy.engine.reference import (
+    ProtectedRoots,
     Reference,
     agree_across_processes,
     delta_signature,
     usable_reference,
 )
 from orbax_lossy.errors import InvalidArgumentError
-from orbax_lossy.format.chain import walk_chain
-from orbax_lossy.format.envelope import read_envelope
-from orbax_lossy.format.manifest import DEFAULT_CHUNK_BYTES, MANIFEST_NAME, Manifest, read_manifest
+from orbax_lossy.format.manifest import DEFAULT_CHUNK_BYTES, read_manifest
 from orbax_lossy.format.steps import final_path, root_key, root_of, step_of
 from orbax_lossy.policy import LeafPolicy, Policy
 from orbax_lossy.treepaths import path_str
@@ -86,9 +84,9 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         self.primary_host = primary_host
         self.encode_threads = encode_threads or min(4, os.cpu_count() or 1)
         self.unmanaged_deltas = bool(unmanaged_deltas)
-        self._protected_roots: set[str] = set()
-        self._warned_roots: set[str] = set()
-        self._reference: Reference | None = None
+        self._roots = ProtectedRoots()
+        self._references: dict[str, Reference] = {}  # by item name: one chain per item
+        self._last_item: str | None = None
         self._dependencies: dict[tuple[str, int], int | None] = {}
         self._lock = threading.Lock()
         self.last_restore_bytes_read = 0
@@ -101,8 +99,17 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     @property
     def reference(self) -> Reference | None:
-        """What the next delta is encoded against (the last save's or restore's values)."""
-        return self._reference
+        """The reference of the item saved or restored last (see :meth:`reference_for`)."""
+        return None if self._last_item is None else self._references.get(self._last_item)
+
+    def reference_for(self, item_name: str) -> Reference | None:
+        """What the next delta of item ``item_name`` is encoded against."""
+        return self._references.get(item_name)
+
+    def _set_reference(self, ref: Reference) -> None:
+        name = os.path.basename(ref.item_dir)
+        self._references[name] = ref
+        self._last_item = name
 
     # ------------------------------------------------------------------ chains and retention
 
@@ -122,44 +129,27 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
 
         :class:`~orbax_lossy.ChainPreservationPolicy` calls this for its manager's directory.
         """
-        with self._lock:
-            self._protected_roots.add(root_key(root))
+        self._roots.protect(root)
 
     def chains_protected(self, root: os.PathLike | str) -> bool:
         """Whether deltas may be taken under ``root`` (see ``unmanaged_deltas``)."""
-        with self._lock:
-            return self.unmanaged_deltas or root_key(root) in self._protected_roots
-
-    def _warn_unprotected(self, root: str) -> None:
-        with self._lock:
-            if root in self._warned_roots:
-                return
-            self._warned_roots.add(root)
-        warnings.warn(
-            f"orbax_lossy: {root} is not managed by a ChainPreservationPolicy, so Orbax's "
-            "retention could delete steps that delta checkpoints depend on; every save there is "
-            "a self-contained base. To enable delta chains, build the manager with "
-            "ol.checkpoint_manager(directory, ...) (extra items: items={...}), or wrap its "
-            "preservation policy in ol.ChainPreservationPolicy(inner, handler, directory), or "
-            "pass LossyCheckpointHandler(unmanaged_deltas=True) if nothing deletes old steps.",
-            UserWarning,
-            stacklevel=3,
-        )
+        return self.unmanaged_deltas or self._roots.protected(root)
 
     def reset_reference(self) -> None:
-        """Forget the reference: the next save is a full base."""
-        self._reference = None
+        """Forget every reference: the next save of each item is a full base."""
+        self._references.clear()
 
     # ------------------------------------------------------------------ save
 
     def _choose_reference(self, item_dir: str, paths, signature, force_base) -> Reference | None:
-        ref = usable_reference(self._reference, item_dir, paths, signature,
+        held = self._references.get(os.path.basename(item_dir))
+        ref = usable_reference(held, item_dir, paths, signature,
                                force_base=force_base, base_interval=self.base_interval)
         if ref is not None and not self.chains_protected(root_of(item_dir)):
-            self._warn_unprotected(root_key(root_of(item_dir)))
+            self._roots.warn_once(root_of(item_dir))
             ref = None
         if jax.process_count() > 1:
-            ref = agree_across_processes(ref, self._reference, self.primary_host)
+            ref = agree_across_processes(ref, held, self.primary_host)
         return ref
 
     async def async_save(
@@ -185,8 +175,8 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         if self.reference_on_host:
             values = [np.asarray(r) if r is not None else None for r in values]
         header = encoded.header
-        self._reference = Reference(item_dir, header.step, header.save_id, header.chain_length,
-                                    tuple(paths), signature, values)
+        self._set_reference(Reference(item_dir, header.step, header.save_id,
+                                      header.chain_length, tuple(paths), signature, values))
         self._record_dependency(item_dir, ref.step if ref is not None else None)
         self.last_save_stats = {
             "kind": header.save_type,
@@ -224,10 +214,6 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         """Tree of ``jax.ShapeDtypeStruct`` of the saved item (no payload is read)."""
         return restoring.metadata_tree(read_manifest(directory))
 
-    def chain(self, directory: os.PathLike | str) -> list[tuple[str, Manifest]]:
-        """(item dir, manifest) from the chain's base to ``directory``."""
-        return walk_chain(directory)
-
     def restore(self, directory: epath.Path, args: LossyRestore | None = None) -> Any:
         """Restore the item onto ``args.item`` (or nested dicts without a target)."""
         args = args if args is not None else LossyRestore()
@@ -253,17 +239,12 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             for leaf in leaves
         )
         header = restored.manifest.header
-        self._reference = Reference(
+        self._set_reference(Reference(
             restored.item_dir, header.step, header.save_id, header.chain_length,
             tuple(leaf.path for leaf in leaves), signature, copies,
-        )
+        ))
         self._record_dependency(restored.item_dir,
                                 header.reference.step if header.reference else None)
-
-
-def read_manifest_body(item_dir: os.PathLike | str) -> dict[str, Any]:
-    """Transitional: the raw manifest dict (use :func:`orbax_lossy.format.read_manifest`)."""
-    return read_envelope(os.path.join(os.fspath(item_dir), MANIFEST_NAME), "manifest")
 
 
 ocp.args.register_with_handler(LossyCheckpointHandler, for_save=True)(LossySave)

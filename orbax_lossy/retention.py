@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_lossy.errors import LossyError
-from orbax_lossy.handler import read_manifest_body as read_manifest
+from orbax_lossy.format.manifest import read_manifest_body as read_manifest
 
 if TYPE_CHECKING:
     from orbax_lossy.handler import LossyCheckpointHandler

@@ -59,7 +59,7 @@ def test_donate_and_overwrite_right_after_save_returns(tmp_path, assert_bitwise,
         assert mngr.save(step, args=ol.LossySave(params))
         snap = {
             path_str(p): None if v is None else np.array(v)
-            for p, v in zip(handler._reference.paths, handler._reference.values, strict=True)
+            for p, v in zip(handler.reference.paths, handler.reference.values, strict=True)
         }
         expected[step] = (old, snap)
     # save() returned while the background write is still blocked: nothing committed yet.
@@ -70,7 +70,7 @@ def test_donate_and_overwrite_right_after_save_returns(tmp_path, assert_bitwise,
     new = donate_all(device)
     assert all(v.is_deleted() for v in device.values())  # the buffers really are gone
     params["host"][:] = -1.0  # overwrite the host leaf in place
-    assert not any(v.is_deleted() for v in handler._reference.values if v is not None)
+    assert not any(v.is_deleted() for v in handler.reference.values if v is not None)
 
     handler.gate.set()
     mngr.wait_until_finished()

@@ -9,7 +9,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import orbax_lossy as ol
-from orbax_lossy.handler import read_manifest
+from orbax_lossy.format.manifest import read_manifest_body as read_manifest
 from orbax_lossy.treepaths import path_str
 
 P = ocp.checkpoint_managers
@@ -54,7 +54,7 @@ def test_composite_items_chain_retention_and_restore(tmp_path, assert_bitwise):
         )
         recon[step] = {
             path_str(p): np.array(v)
-            for p, v in zip(handler._reference.paths, handler._reference.values, strict=True)
+            for p, v in zip(handler.reference.paths, handler.reference.values, strict=True)
         }
         mngr.wait_until_finished()
         kept.append(mngr.all_steps())
@@ -112,7 +112,7 @@ def test_plain_manager_in_a_new_session_restores_by_typestr(tmp_path, assert_bit
             ),
         )
     mngr.wait_until_finished()
-    w1 = np.array(handler._reference.values[2])  # leaves sorted: n, rng, w
+    w1 = np.array(handler.reference.values[2])  # leaves sorted: n, rng, w
     mngr.close()
     plain = ocp.CheckpointManager(tmp_path)  # no registry: handlers found by typestr
     out = plain.restore(1)

@@ -14,7 +14,7 @@ import pytest
 
 import orbax_lossy as ol
 from orbax_lossy import format as fmt
-from orbax_lossy.handler import read_manifest_body as read_manifest
+from orbax_lossy.format.manifest import read_manifest_body as read_manifest
 
 
 def test_chunk_grid_depends_only_on_shape_and_dtype() -> None:

@@ -19,7 +19,7 @@ import pytest
 import orbax_lossy as ol
 from orbax_lossy import format as fmt
 from orbax_lossy.format import payload
-from orbax_lossy.handler import read_manifest_body as read_manifest
+from orbax_lossy.format.manifest import read_manifest_body as read_manifest
 from orbax_lossy.treepaths import flatten, path_str
 
 
@@ -56,7 +56,7 @@ def advance(state: dict, t: int) -> dict:
 
 def snapshot(handler: ol.LossyCheckpointHandler) -> dict:
     """The reconstruction the handler holds right after a save, by leaf path (host copies)."""
-    ref = handler._reference
+    ref = handler.reference
     assert ref is not None
     return {
         path_str(p): None if v is None else np.array(np.asarray(v))
@@ -104,7 +104,7 @@ def test_every_step_of_a_multi_base_chain_restores_bitwise(
         assert mngr.save(step, args=ol.LossySave(state))
         recon[step], saved[step] = snapshot(handler), state
         holder = np.ndarray if reference_on_host else jax.Array
-        assert all(v is None or isinstance(v, holder) for v in handler._reference.values)
+        assert all(v is None or isinstance(v, holder) for v in handler.reference.values)
     mngr.wait_until_finished()
     monkeypatch.undo()
     assert mngr.all_steps() == steps

@@ -131,7 +131,7 @@ def test_each_process_writes_its_own_shards_evenly(chain_run):
 
 
 def test_primary_merged_indexes_in_finalize(chain_run):
-    from orbax_lossy.handler import read_manifest_body as read_manifest
+    from orbax_lossy.format.manifest import read_manifest_body as read_manifest
 
     out, (a, _) = chain_run
     for step in a["all_steps"]:

@@ -46,7 +46,7 @@ def state_at(t: int) -> dict:
 def snapshot(handler):
     return {
         path_str(p): np.array(v)
-        for p, v in zip(handler._reference.paths, handler._reference.values, strict=True)
+        for p, v in zip(handler.reference.paths, handler.reference.values, strict=True)
     }
 
 

@@ -47,7 +47,7 @@ def test_chain_of_base_and_deltas_saved(result):
     "target", ["same_mesh", "mesh_2x4", "single_device", "replicated", "manager"]
 )
 def test_restore_bitexact_on_every_target(result, target):
-    # The script compares every step bit for bit with handler._reference.values at save time.
+    # The script compares every step bit for bit with handler.reference.values at save time.
     assert result["restores"][target] == "ok"
 
 

@@ -17,7 +17,7 @@ from flax.training import train_state
 from sklearn.datasets import load_digits
 
 import orbax_lossy as ol
-from orbax_lossy.handler import read_manifest_body as read_manifest
+from orbax_lossy.format.manifest import read_manifest_body as read_manifest
 
 TOTAL_STEPS = 300
 SAVE_EVERY = 5

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +20,7 @@ import numpy as np
 
 from orbax_lossy.errors import ChainError
 from orbax_lossy.format.manifest import MANIFEST_NAME
-from orbax_lossy.format.steps import root_of
+from orbax_lossy.format.steps import root_key, root_of
 from orbax_lossy.treepaths import StoredPath
 
 Signature = tuple[tuple[tuple[int, ...], str] | None, ...]
@@ -98,3 +100,46 @@ def agree_across_processes(
     if ref is None and held is None:
         raise ChainError("the primary host saves a delta but this process has no reference")
     return ref if ref is not None else held
+
+
+class ProtectedRoots:
+    """Checkpoint roots whose retention keeps every step a kept delta needs.
+
+    Orbax's own retention (``max_to_keep``, ``LatestN``, ...) deletes steps that later deltas
+    depend on. Deltas are therefore taken only under roots a
+    :class:`~orbax_lossy.ChainPreservationPolicy` protects; elsewhere every save is a base,
+    and a warning says once per root how to enable chains.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._protected: set[str] = set()
+        self._warned: set[str] = set()
+
+    def protect(self, root: os.PathLike | str) -> None:
+        """Mark ``root`` as protected."""
+        with self._lock:
+            self._protected.add(root_key(root))
+
+    def protected(self, root: os.PathLike | str) -> bool:
+        """Whether ``root`` is protected."""
+        with self._lock:
+            return root_key(root) in self._protected
+
+    def warn_once(self, root: os.PathLike | str) -> None:
+        """Say (once per root) that saves under ``root`` are bases, and how to change it."""
+        key = root_key(root)
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        warnings.warn(
+            f"orbax_lossy: {key} is not managed by a ChainPreservationPolicy, so Orbax's "
+            "retention could delete steps that delta checkpoints depend on; every save there is "
+            "a self-contained base. To enable delta chains, build the manager with "
+            "ol.checkpoint_manager(directory, ...) (extra items: items={...}), or wrap its "
+            "preservation policy in ol.ChainPreservationPolicy(inner, handler, directory), or "
+            "pass LossyCheckpointHandler(unmanaged_deltas=True) if nothing deletes old steps.",
+            UserWarning,
+            stacklevel=4,
+        )

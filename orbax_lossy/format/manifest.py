@@ -361,6 +361,15 @@ def read_manifest(item_dir: os.PathLike | str) -> Manifest:
     return Manifest.parse(read_envelope(path, "manifest"), path)
 
 
+def read_manifest_body(item_dir: os.PathLike | str) -> dict[str, Any]:
+    """The on-disk manifest as msgpack decoded it: checksummed, not validated (for tools and
+    tests that inspect or rewrite the format; everything else uses :func:`read_manifest`)."""
+    body = read_envelope(os.path.join(os.fspath(item_dir), MANIFEST_NAME), "manifest")
+    if not isinstance(body, dict):
+        raise FormatError(f"{item_dir}: manifest body is not a map")
+    return body
+
+
 def write_manifest(item_dir: os.PathLike | str, manifest: Manifest) -> None:
     """Write ``<item_dir>/manifest.msgpack``."""
     write_envelope(os.path.join(os.fspath(item_dir), MANIFEST_NAME), "manifest",

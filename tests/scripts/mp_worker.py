@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import orbax_lossy  # noqa: E402
-from orbax_lossy.handler import read_manifest_body as read_manifest  # noqa: E402
+from orbax_lossy.format.manifest import read_manifest_body as read_manifest  # noqa: E402
 
 SHAPES = {"w": (512, 256), "u": (256, 128), "b": (64,)}
 CHUNK_BYTES = 16 << 10
@@ -67,7 +67,7 @@ def gather(x) -> np.ndarray:
 
 
 def reference_params(handler) -> dict[str, np.ndarray]:
-    ref = handler._reference
+    ref = handler.reference
     out = {}
     for path, value in zip(ref.paths, ref.values, strict=True):
         keys = [k for _, k in path]
@@ -153,7 +153,7 @@ def main() -> None:
         t0 = time.perf_counter()
         mngr.save(step, args=orbax_lossy.LossySave(make_state(step, save_sh)))
         blocked = time.perf_counter() - t0
-        ref = handler._reference
+        ref = handler.reference
         summary["saves"].append(
             {
                 "step": step,

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import orbax_lossy  # noqa: E402
 from orbax_lossy import format as fmt  # noqa: E402
 from orbax_lossy.engine import device as program  # noqa: E402
-from orbax_lossy.handler import read_manifest_body as read_manifest  # noqa: E402
+from orbax_lossy.format.manifest import read_manifest_body as read_manifest  # noqa: E402
 
 CHUNK_BYTES = 4096
 
@@ -118,8 +118,8 @@ def main(out_dir: str) -> None:
         mngr.save(step, args=orbax_lossy.LossySave(state))
         kinds[step] = handler.last_save_stats["kind"]
         # Reconstruction held at save time (copy to host before the next save replaces it).
-        vals = handler._reference.values
-        paths = handler._reference.paths
+        vals = handler.reference.values
+        paths = handler.reference.paths
         exp = {}
         for p, v in zip(paths, vals, strict=True):
             if p[0][1] == "params":
