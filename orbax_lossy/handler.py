@@ -87,7 +87,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._roots = ProtectedRoots()
         self._references: dict[str, Reference] = {}  # by item name: one chain per item
         self._last_item: str | None = None
-        self._dependencies: dict[tuple[str, int], int | None] = {}
+        self._dependencies: dict[tuple[str, int], dict[str, set[int]]] = {}
         self._lock = threading.Lock()
         self.last_restore_bytes_read = 0
         self.last_save_stats: dict[str, Any] = {}
@@ -113,16 +113,17 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     # ------------------------------------------------------------------ chains and retention
 
-    def dependency_of(self, root: str, step: int) -> int | None:
-        """Step that ``step`` (under ``root``) depends on, from memory; KeyError if unknown."""
+    def dependencies_of(self, root: str, step: int) -> dict[str, set[int]]:
+        """Per item saved under ``root`` at ``step``, the steps it needs (KeyError: unknown)."""
         with self._lock:
-            return self._dependencies[(root_key(root), step)]
+            return {k: set(v) for k, v in self._dependencies[(root_key(root), step)].items()}
 
-    def _record_dependency(self, item_dir: str, ref_step: int | None) -> None:
+    def _record_dependencies(self, item_dir: str, steps: set[int]) -> None:
         step = step_of(item_dir)
         if step is not None:
             with self._lock:
-                self._dependencies[(root_key(root_of(item_dir)), step)] = ref_step
+                items = self._dependencies.setdefault((root_key(root_of(item_dir)), step), {})
+                items[os.path.basename(item_dir)] = steps
 
     def protect_chains(self, root: os.PathLike | str) -> None:
         """Allow deltas under ``root``: its retention keeps every step a kept step needs.
@@ -177,7 +178,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         header = encoded.header
         self._set_reference(Reference(item_dir, header.step, header.save_id,
                                       header.chain_length, tuple(paths), signature, values))
-        self._record_dependency(item_dir, ref.step if ref is not None else None)
+        self._record_dependencies(item_dir, set(header.depends_on))
         self.last_save_stats = {
             "kind": header.save_type,
             "leaves": {path_str(job.entry.path): {"codec": job.entry.codec_config["id"],
@@ -243,8 +244,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             restored.item_dir, header.step, header.save_id, header.chain_length,
             tuple(leaf.path for leaf in leaves), signature, copies,
         ))
-        self._record_dependency(restored.item_dir,
-                                header.reference.step if header.reference else None)
+        self._record_dependencies(restored.item_dir, set(header.depends_on))
 
 
 ocp.args.register_with_handler(LossyCheckpointHandler, for_save=True)(LossySave)

@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_lossy.errors import LossyError
-from orbax_lossy.format.manifest import read_manifest_body as read_manifest
+from orbax_lossy.format.manifest import read_manifest
 
 if TYPE_CHECKING:
     from orbax_lossy.handler import LossyCheckpointHandler
@@ -93,21 +93,10 @@ def dependencies_from_disk(
     for item in items:
         try:
             manifest = read_manifest(os.fspath(item))
-        except (LossyError, OSError, ValueError):
+        except (LossyError, OSError):
             continue
-        ref = manifest.get("reference")
-        if ref and ref.get("step") is not None:
-            deps.add(int(ref["step"]))
+        deps.update(manifest.header.depends_on)
     return deps
-
-
-def _root_keys(directory: str | os.PathLike) -> list[str]:
-    """The spellings of a root the handlers may have recorded dependencies under."""
-    raw = os.fspath(directory)
-    keys = [os.path.normpath(raw)]
-    if "://" not in raw:
-        keys.append(os.path.normpath(os.path.abspath(raw)))
-    return list(dict.fromkeys(keys))
 
 
 # --------------------------------------------------------------------------- policy
@@ -152,18 +141,18 @@ class ChainPreservationPolicy:
         return list(h) if isinstance(h, (list, tuple)) else [h]  # type: ignore[arg-type]
 
     def _memory(self, step: int) -> tuple[int, set[int]]:
-        """(how many handlers know ``step``, the dependencies they recorded for it)."""
+        """(how many items of ``step`` the handlers know, the steps those items need)."""
         known, deps = 0, set()
         for h in self.handlers:
-            for key in _root_keys(self.directory):
-                try:
-                    dep = h.dependency_of(key, step)
-                except KeyError:
-                    continue
-                known += 1
-                if dep is not None:
-                    deps.add(int(dep))
-                break
+            try:
+                items = h.dependencies_of(os.fspath(self.directory), step)
+            except KeyError:
+                continue
+            if self.item_name is not None:
+                items = {k: v for k, v in items.items() if k == self.item_name}
+            known += len(items)
+            for steps in items.values():
+                deps |= steps
         return known, deps
 
     def dependencies(
@@ -188,9 +177,10 @@ class ChainPreservationPolicy:
     def _uncertain(self, checkpoints: Sequence[Any], step_dirs: Mapping[int, epath.Path]) -> bool:
         """Whether a step still in flight may depend on more than the handlers recorded.
 
-        A handler remembers one dependency per step. When one handler instance serves several
-        lossy items of a step, the last item's record hides the others until the step is on
-        disk; then nothing kept by the previous decision may be deleted yet.
+        The handlers record the dependencies of every item they save. While a step is in
+        flight and they know fewer of its lossy items than the last committed step has (an
+        item saved by a handler this policy was not given), nothing kept by the previous
+        decision may be deleted yet.
         """
         in_flight = [c.step for c in checkpoints if c.step not in step_dirs]
         committed = [c.step for c in checkpoints if c.step in step_dirs]
@@ -201,11 +191,11 @@ class ChainPreservationPolicy:
         if uncertain and not self._warned:
             self._warned = True
             warnings.warn(
-                f"orbax_lossy: {os.fspath(self.directory)} saves {items} lossy items but "
-                f"{len(self.handlers)} LossyCheckpointHandler(s) serve them: items sharing a "
-                "handler reference each other's steps, so whole chains of steps are kept. Give "
-                "each lossy item its own handler, e.g. ol.checkpoint_manager(..., items={'ema': "
-                "ol.LossyCheckpointHandler()}).",
+                f"orbax_lossy: {os.fspath(self.directory)} saves {items} lossy items but the "
+                f"{len(self.handlers)} LossyCheckpointHandler(s) given to its "
+                "ChainPreservationPolicy saved fewer of them, so steps are kept until they are "
+                "on disk. Pass every lossy item's handler to the policy (ol.checkpoint_manager "
+                "does this).",
                 UserWarning,
                 stacklevel=2,
             )

@@ -110,7 +110,7 @@ def test_resume_from_lossy_checkpoint_matches_uninterrupted_run(tmp_path):
     ts = run(ts, latest, latest + SAVE_EVERY, mngr)
     # The first save after the restart continues the chain: a delta on restored step 170.
     assert handler.last_save_stats["kind"] == "delta"
-    assert handler.dependency_of(str(tmp_path), latest + SAVE_EVERY) == latest
+    assert handler.dependencies_of(str(tmp_path), latest + SAVE_EVERY) == {"default": {latest}}
     ts = run(ts, latest + SAVE_EVERY, TOTAL_STEPS, mngr)
     mngr.wait_until_finished()
     loss, acc = (float(v) for v in evaluate(ts))

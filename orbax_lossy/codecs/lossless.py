@@ -26,6 +26,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from orbax_lossy.entropy import decode_symbols, encode_symbols
+from orbax_lossy.entropy.varint import encode_uvarint, read_uvarint
 from orbax_lossy.errors import CodecError, FormatError, TruncatedError
 
 VERSION = 1
@@ -82,29 +83,6 @@ def _component_itemsize(dtype: np.dtype) -> int:
     return dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
 
 
-def _uvarint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = value & 0x7F
-        value >>= 7
-        if not value:
-            out.append(b)
-            return bytes(out)
-        out.append(b | 0x80)
-
-
-def _read_uvarint(buf: memoryview, pos: int, what: str) -> tuple[int, int]:
-    value = 0
-    for i in range(9):
-        if pos + i >= len(buf):
-            raise TruncatedError(f"lossless stream ends inside {what}")
-        b = buf[pos + i]
-        value |= (b & 0x7F) << (7 * i)
-        if not b & 0x80:
-            return value, pos + i + 1
-    raise FormatError(f"varint for {what} is longer than 9 bytes")
-
-
 def to_planes(array: np.ndarray) -> np.ndarray:
     """Split an array into byte planes: a ``(planes, symbols)`` uint8 array (see module doc)."""
     arr = np.asarray(array)
@@ -135,10 +113,10 @@ def encode_array(array: np.ndarray) -> bytes:
     """Losslessly code ``array`` (any supported dtype, any shape, C order); see module doc."""
     arr = np.asarray(array)
     code = _dtype_code(arr.dtype)
-    parts = [bytes([VERSION, code]), _uvarint(arr.size)]
+    parts = [bytes([VERSION, code]), encode_uvarint(arr.size)]
     for plane in to_planes(arr):
         stream = encode_symbols(np.ascontiguousarray(plane))
-        parts.append(_uvarint(len(stream)))
+        parts.append(encode_uvarint(len(stream)))
         parts.append(stream)
     return b"".join(parts)
 
@@ -172,7 +150,7 @@ def decode_array(data: bytes | memoryview, shape: tuple[int, ...], dtype: DTypeL
         raise FormatError(f"lossless stream version {buf[0]} is not {VERSION}")
     if buf[1] != code:
         raise FormatError(f"lossless stream holds dtype code {buf[1]}, expected {code} ({dt})")
-    count, pos = _read_uvarint(buf, 2, "the element count")
+    count, pos = read_uvarint(buf, 2, "the element count", "lossless stream")
     size = math.prod(dims)
     if count != size:
         raise FormatError(f"lossless stream holds {count} elements, shape {dims} has {size}")
@@ -180,7 +158,7 @@ def decode_array(data: bytes | memoryview, shape: tuple[int, ...], dtype: DTypeL
     symbols = size * (dt.itemsize // width)
     planes = np.empty((width, symbols), np.uint8)
     for j in range(width):
-        length, pos = _read_uvarint(buf, pos, f"the length of byte plane {j}")
+        length, pos = read_uvarint(buf, pos, f"the length of byte plane {j}", "lossless stream")
         if pos + length > len(buf):
             raise TruncatedError(f"byte plane {j} needs {length} bytes, {len(buf) - pos} are left")
         planes[j] = decode_symbols(buf[pos : pos + length], symbols)

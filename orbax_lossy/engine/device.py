@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from orbax_lossy.codecs.base import Codec
+from orbax_lossy.codecs.base import Codec, sign_safe
 
 
 def _constrain(x: jax.Array, sharding: jax.sharding.Sharding | None) -> jax.Array:
@@ -42,21 +42,6 @@ def _finite(value: jax.Array, reference: jax.Array | None) -> jax.Array:
     if reference is not None:
         ok &= jnp.all(jnp.isfinite(reference))
     return ok
-
-
-def sign_safe(value: jax.Array, recon: jax.Array) -> jax.Array:
-    """False when ``value`` is non-negative but ``recon`` is not, or zeroes a positive element.
-
-    A non-negative leaf (Adam's second moment, a variance, a positive scale) must decode
-    non-negative, and positive wherever the value is positive: Adam divides by
-    ``sqrt(nu) + eps``, so a second moment decoded as 0 (or negative) turns a small update
-    into a huge one (or NaN).
-    """
-    if not jnp.issubdtype(value.dtype, jnp.floating):
-        return jnp.ones((), jnp.bool_)
-    nonnegative = jnp.all(value >= 0)
-    kept = jnp.all(recon >= 0) & jnp.all((value <= 0) | (recon > 0))
-    return ~nonnegative | kept
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "shardings"))

@@ -98,6 +98,7 @@ def encode_save(
     base_interval: int,
     chunk_bytes: int,
     primary_host: int,
+    extra_dependencies: Sequence[int] = (),
 ) -> EncodedSave:
     """Choose codecs, run the device halves and secure host copies (see module docstring)."""
     is_base = ref is None
@@ -123,7 +124,7 @@ def encode_save(
             raise LossyError(f"policy chose delta codec {codec} for a base save")
         plan[i] = codec
     device_leaves = [i for i, s in enumerate(storages) if s == "device"]
-    per_leaf = bool(getattr(policy, "plan_varies", False))  # TODO(refactor): declared
+    per_leaf = bool(policy.plan_varies)
     encoded = device.run_grouped(
         device.encode_tree,
         per_leaf,
@@ -203,6 +204,7 @@ def encode_save(
         primary_host=primary_host,
         programs="per_leaf" if per_leaf else "tree",
         save_id=save_id(),
+        extra_dependencies=tuple(int(s) for s in extra_dependencies),
     )
     return EncodedSave(jobs, header, reconstruction)
 

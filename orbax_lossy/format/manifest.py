@@ -81,6 +81,14 @@ def _shape(value: Any, where: str, what: str = "shape") -> tuple[int, ...]:
     return tuple(value)
 
 
+def _steps(value: list, where: str) -> tuple[int, ...]:
+    if len(value) > MAX_LEAVES or any(
+        isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in value
+    ):
+        raise _fail(where, "extra dependencies are not a list of steps")
+    return tuple(value)
+
+
 def _path(value: Any, where: str) -> StoredPath:
     if not isinstance(value, list):
         raise _fail(where, "leaf path is not a list")
@@ -133,11 +141,19 @@ class Header:
     programs: str  # "tree" (one program for all leaves) or "per_leaf"
     writer: str = "orbax-lossy"
     save_id: str | None = None
+    extra_dependencies: tuple[int, ...] = ()  # steps read besides the reference (PEC)
 
     @property
     def is_base(self) -> bool:
-        """A base needs no other step."""
+        """A base is encoded against no other step."""
         return self.save_type == "base"
+
+    @property
+    def depends_on(self) -> tuple[int, ...]:
+        """Every step a restore of this one reads (its reference, then any extra steps)."""
+        ref = () if self.reference is None or self.reference.step is None else (
+            self.reference.step,)
+        return ref + tuple(s for s in self.extra_dependencies if s not in ref)
 
     def to_msgpack(self) -> dict[str, Any]:
         """On-disk form (the keys of format version 1 and 2)."""
@@ -155,6 +171,8 @@ class Header:
         }
         if self.save_id is not None:
             out["save_id"] = self.save_id
+        if self.extra_dependencies:
+            out["extra_dependencies"] = list(self.extra_dependencies)
         return out
 
     @classmethod
@@ -179,6 +197,7 @@ class Header:
             programs=_get(d, "programs", str, where, "tree"),
             writer=_get(d, "writer", str, where, "orbax-lossy"),
             save_id=_get(d, "save_id", str, where, None),
+            extra_dependencies=_steps(_get(d, "extra_dependencies", list, where, []), where),
         )
         if header.chain_length < 0 or header.process_count < 1 or header.chunk_bytes < 1:
             raise _fail(where, "header has an out-of-range value")
