@@ -17,6 +17,7 @@ from orbax_lossy.errors import (
     TruncatedError,
     UnsupportedVersionError,
 )
+from orbax_lossy.export import export_step
 from orbax_lossy.handler import LossyCheckpointHandler, LossyRestore, LossySave
 from orbax_lossy.manager import checkpoint_manager
 from orbax_lossy.policy import AdaptivePolicy, LeafPolicy
@@ -47,5 +48,6 @@ __all__ = [
     "chain_dependencies",
     "checkpoint_manager",
     "checkpoint_stats",
+    "export_step",
     "kept_for_chains",
 ]
