@@ -14,7 +14,7 @@ import dataclasses
 import importlib.metadata
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Literal, NamedTuple, Protocol
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +27,16 @@ from orbax_lossy.errors import CodecError, FormatError
 #: entry-point group through which installed packages provide codec classes
 ENTRY_POINT_GROUP = "orbax_lossy.codecs"
 
+#: named arrays of one encoded leaf: its per-element ``fields`` or its per-leaf ``side`` arrays
+Arrays: TypeAlias = dict[str, jax.Array]
+
 
 class Encoded(NamedTuple):
     """What a device encode returns: per-element ``fields`` (shaped like the leaf), small
     per-leaf ``side`` arrays (stored in the manifest) and the reconstruction ``recon``."""
 
-    fields: dict[str, jax.Array]
-    side: dict[str, jax.Array]
+    fields: Arrays
+    side: Arrays
     recon: jax.Array
 
 
@@ -59,30 +62,41 @@ class Codec(Protocol):
     codec_id: ClassVar[str]
 
     @property
-    def needs_reference(self) -> bool: ...
+    def needs_reference(self) -> bool:
+        """Whether decoding needs the previous reconstruction (a delta codec)."""
+        ...
 
     @property
-    def lossy(self) -> bool: ...
+    def lossy(self) -> bool:
+        """Whether the reconstruction may differ from the value."""
+        ...
 
-    def config(self) -> dict[str, Any]: ...
+    def config(self) -> dict[str, Any]:
+        """The codec's parameters as stored in the manifest (without the ``id`` key)."""
+        ...
 
-    def field_dtypes(self, dtype: np.dtype) -> dict[str, np.dtype]: ...
+    def field_dtypes(self, dtype: np.dtype) -> dict[str, np.dtype]:
+        """The dtype of every per-element field for a leaf of ``dtype``, by field name."""
+        ...
 
-    def device_encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded: ...
+    def device_encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded:
+        """Encode one leaf on device (traced into the jitted save program)."""
+        ...
 
-    def device_decode(
-        self,
-        fields: dict[str, jax.Array],
-        side: dict[str, jax.Array],
-        reference: jax.Array | None,
-        dtype: np.dtype,
-    ) -> jax.Array: ...
+    def device_decode(self, fields: Arrays, side: Arrays, reference: jax.Array | None,
+                      dtype: np.dtype) -> jax.Array:
+        """Decode one leaf on device (traced); reproduces the encode's ``recon`` exactly."""
+        ...
 
-    def host_encode(self, field: str, array: np.ndarray) -> bytes: ...
+    def host_encode(self, field: str, array: np.ndarray) -> bytes:
+        """The stored bytes of one chunk of the per-element ``field``."""
+        ...
 
     def host_decode(
         self, field: str, data: bytes, shape: tuple[int, ...], dtype: np.dtype
-    ) -> np.ndarray: ...
+    ) -> np.ndarray:
+        """Inverse of :meth:`host_encode`: the chunk of ``field`` of ``shape`` and ``dtype``."""
+        ...
 
 
 #: how a policy measures a lossy codec's error on a leaf (see docs/adaptive.md)
@@ -107,15 +121,18 @@ class Field:
 
     @staticmethod
     def symbols(alphabet: int) -> Field:
+        """A uint8 symbol field with symbols below ``alphabet`` (2..256), Huffman coded."""
         if not 2 <= alphabet <= 256:
             raise CodecError(f"a symbol field's alphabet must be in 2..256, got {alphabet}")
         return Field("symbols", np.dtype(np.uint8), alphabet)
 
     @staticmethod
     def lossless(dtype: FieldDtype = None) -> Field:
+        """A field of ``dtype`` (default: the leaf's) stored by the byte-plane coder."""
         return Field("lossless", dtype)
 
     def dtype_for(self, leaf_dtype: Any) -> np.dtype:
+        """This field's dtype for a leaf of ``leaf_dtype``."""
         if self.dtype is None:
             return np.dtype(leaf_dtype)
         if isinstance(self.dtype, np.dtype):
@@ -181,6 +198,7 @@ def codec_from_config(config: Mapping[str, Any], where: str = "") -> Codec:
 
 
 def dataclass_config(codec: Any) -> dict[str, Any]:
+    """The dataclass fields of ``codec`` by name (the default :meth:`CodecBase.config`)."""
     return {f.name: getattr(codec, f.name) for f in dataclasses.fields(codec)}
 
 
@@ -197,13 +215,22 @@ class CodecBase:
     """
 
     codec_id: ClassVar[str]
-    lossy: ClassVar[bool] = True
-    needs_reference: ClassVar[bool] = False
 
     def __init_subclass__(cls, register: bool = True, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if register and "codec_id" in cls.__dict__:
             register_codec(cls)
+
+    # Read-only here, so that a subclass may declare either a class attribute or a property.
+    @property
+    def lossy(self) -> bool:
+        """Whether the reconstruction may differ from the value (default: True)."""
+        return True
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether decoding needs the previous reconstruction (default: False)."""
+        return False
 
     # ------------------------------------------------------------------ configuration
 
@@ -223,6 +250,7 @@ class CodecBase:
         raise NotImplementedError
 
     def field_dtypes(self, dtype: np.dtype) -> dict[str, np.dtype]:
+        """The dtype of every declared field for a leaf of ``dtype``, by field name."""
         return {name: f.dtype_for(dtype) for name, f in self.fields().items()}
 
     def _field(self, name: str) -> Field:
@@ -237,33 +265,32 @@ class CodecBase:
         """Device encode (traced): fields, side arrays and the reconstruction."""
         raise NotImplementedError
 
-    def decode(
-        self,
-        fields: dict[str, jax.Array],
-        side: dict[str, jax.Array],
-        reference: jax.Array | None,
-        dtype: Any,
-    ) -> jax.Array:
+    def decode(self, fields: Arrays, side: Arrays, reference: jax.Array | None,
+               dtype: Any) -> jax.Array:
         """Device decode (traced): must reproduce ``encode``'s ``recon`` bit for bit."""
         raise NotImplementedError
 
+    def encoded(self, fields: Arrays, side: Arrays, reference: jax.Array | None,
+                dtype: Any) -> Encoded:
+        """``Encoded(fields, side, recon)`` with ``recon`` from :meth:`decode` itself, so the
+        reconstruction is what a restore computes by construction."""
+        return Encoded(fields, side, self.decode(fields, side, reference, dtype))
+
     def device_encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded:
+        """:meth:`encode` in a named scope ``orbax_lossy.<codec_id>.encode``."""
         with jax.named_scope(f"orbax_lossy.{self.codec_id}.encode"):
             return self.encode(value, reference)
 
-    def device_decode(
-        self,
-        fields: dict[str, jax.Array],
-        side: dict[str, jax.Array],
-        reference: jax.Array | None,
-        dtype: Any,
-    ) -> jax.Array:
+    def device_decode(self, fields: Arrays, side: Arrays, reference: jax.Array | None,
+                      dtype: Any) -> jax.Array:
+        """:meth:`decode` in a named scope ``orbax_lossy.<codec_id>.decode``."""
         with jax.named_scope(f"orbax_lossy.{self.codec_id}.decode"):
             return self.decode(fields, side, reference, dtype)
 
     # ------------------------------------------------------------------ host half
 
     def host_encode(self, field: str, array: np.ndarray) -> bytes:
+        """Bytes of one chunk of ``field``: Huffman-coded symbols or the byte-plane coder."""
         if self._field(field).coder == "symbols":
             return encode_symbol_field(array)
         return lossless.encode_array(np.ascontiguousarray(array))
@@ -271,6 +298,7 @@ class CodecBase:
     def host_decode(
         self, field: str, data: bytes, shape: tuple[int, ...], dtype: np.dtype
     ) -> np.ndarray:
+        """Inverse of :meth:`host_encode`; symbols outside the alphabet are a FormatError."""
         spec = self._field(field)
         if spec.coder == "symbols":
             return decode_symbol_field(data, shape, spec.alphabet)
@@ -309,7 +337,10 @@ def work_dtype(dtype: Any) -> jnp.dtype:
 
 
 def rounding_slack(
-    bound: np.ndarray, value: np.ndarray, recon: np.ndarray, dtype: Any
+    bound: jax.Array | np.ndarray,
+    value: jax.Array | np.ndarray,
+    recon: jax.Array | np.ndarray,
+    dtype: Any,
 ) -> np.ndarray:
     """Widen an exact-arithmetic error bound by the rounding of a reconstruction.
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from orbax_lossy.codecs.base import (
+    Arrays,
     CodecBase,
     Encoded,
     ErrorMeasure,
@@ -69,6 +70,7 @@ class Bitmask(CodecBase):
 
     @property
     def lossy(self) -> bool:
+        """Lossy only when ``bits`` quantizes the changed deltas."""
         return self.bits is not None
 
     def __post_init__(self) -> None:
@@ -78,6 +80,7 @@ class Bitmask(CodecBase):
             raise CodecError(f"Bitmask bits must be None or an int in 1..8, got {self.bits!r}")
 
     def fields(self) -> dict[str, Field]:
+        """A 2-symbol ``mask``, then the ``xor`` words (exact) or LC symbols ``sym``."""
         if self.bits is None:
             return {"mask": Field.symbols(2), "xor": Field.lossless(word_dtype)}
         return {"mask": Field.symbols(2), "sym": Field.symbols(2**self.bits)}
@@ -85,6 +88,7 @@ class Bitmask(CodecBase):
     # ------------------------------------------------------------------ device half
 
     def encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded:
+        """Mask the changed elements; keep their bits XOR the reference's, or quantized deltas."""
         if reference is None:
             raise CodecError("the bitmask codec needs a reference")
         reference = reference.astype(value.dtype)
@@ -101,13 +105,9 @@ class Bitmask(CodecBase):
         side = {"rep": reps}
         return Encoded(fields=fields, side=side, recon=self._quantized(fields, side, reference))
 
-    def decode(
-        self,
-        fields: dict[str, jax.Array],
-        side: dict[str, jax.Array],
-        reference: jax.Array | None,
-        dtype: Any,
-    ) -> jax.Array:
+    def decode(self, fields: Arrays, side: Arrays, reference: jax.Array | None,
+               dtype: Any) -> jax.Array:
+        """The reference, with the changed elements XORed back or moved by their deltas."""
         if reference is None:
             raise CodecError("the bitmask codec needs a reference")
         reference = reference.astype(dtype)
@@ -116,9 +116,7 @@ class Bitmask(CodecBase):
         return self._quantized(fields, side, reference)
 
     @staticmethod
-    def _quantized(
-        fields: dict[str, jax.Array], side: dict[str, jax.Array], reference: jax.Array
-    ) -> jax.Array:
+    def _quantized(fields: Arrays, side: Arrays, reference: jax.Array) -> jax.Array:
         wd = work_dtype(reference.dtype)
         moved = (reference.astype(wd) + dequantize(fields["sym"], side["rep"].astype(wd)))
         return jnp.where(fields["mask"] == 1, moved.astype(reference.dtype), reference)
@@ -126,6 +124,7 @@ class Bitmask(CodecBase):
     # ------------------------------------------------------------------ pricing
 
     def has_estimate(self, measure: ErrorMeasure) -> bool:
+        """Exact: for any measure; quantized: for the ``l2`` measure only."""
         return self.bits is None or measure == "l2"
 
     def estimate(self, stats: Mapping[str, Any], n: int, dtype: np.dtype) -> Estimate:
@@ -143,14 +142,18 @@ class Bitmask(CodecBase):
 
     @classmethod
     def examples(cls) -> tuple[Bitmask, ...]:
+        """Exact and 3-bit."""
         return (Bitmask(), Bitmask(3))
 
     def error_bound(
         self, value: np.ndarray, reference: np.ndarray | None, encoded: Encoded
     ) -> np.ndarray:
+        """0 when exact; else LC's promotion bound on the changed elements, plus rounding."""
         changed = np.asarray(encoded.fields["mask"]) == 1
         if self.bits is None:
             return np.zeros(np.shape(value))
         x = np.asarray(value, np.float64) - np.asarray(reference, np.float64)
-        bound = promote_bound(x, encoded.fields["sym"], encoded.side["rep"])
+        bound = promote_bound(
+            x, np.asarray(encoded.fields["sym"]), np.asarray(encoded.side["rep"])
+        )
         return rounding_slack(np.where(changed, bound, 0), value, encoded.recon, value.dtype)

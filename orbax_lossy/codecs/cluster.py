@@ -15,7 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_lossy.codecs.base import CodecBase, Encoded, Field, rounding_slack, work_dtype
+from orbax_lossy.codecs.base import (
+    Arrays,
+    CodecBase,
+    Encoded,
+    Field,
+    rounding_slack,
+    work_dtype,
+)
 from orbax_lossy.errors import CodecError
 
 MODES = ("direct", "delta")
@@ -45,6 +52,7 @@ def initial_centroids(xs: jax.Array, n_valid: jax.Array, k: int) -> jax.Array:
 
 
 def midpoints(centroids: jax.Array) -> jax.Array:
+    """The decision boundaries between consecutive sorted ``centroids``."""
     return (centroids[1:] + centroids[:-1]) * jnp.asarray(0.5, centroids.dtype)
 
 
@@ -149,6 +157,7 @@ class Cluster(CodecBase):
 
     @property
     def needs_reference(self) -> bool:
+        """Only ``mode="delta"`` needs the previous reconstruction."""
         return self.mode == "delta"
 
     def __post_init__(self) -> None:
@@ -168,6 +177,7 @@ class Cluster(CodecBase):
             raise CodecError(f"Cluster sample must be an int >= 2**bits, got {self.sample!r}")
 
     def fields(self) -> dict[str, Field]:
+        """One field ``sym``: 0 for exact zeros, else 1 + the nearest centroid's index."""
         return {"sym": Field.symbols(2**self.bits)}
 
     def _base(self, reference: jax.Array | None, wd: Any) -> jax.Array | None:
@@ -178,6 +188,7 @@ class Cluster(CodecBase):
         return reference.astype(wd)
 
     def encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded:
+        """Fit the centroids to the value (or delta) and code every element's nearest."""
         if not jnp.issubdtype(value.dtype, jnp.floating):
             raise CodecError(f"Cluster codes floating-point leaves, got {value.dtype}")
         wd = work_dtype(value.dtype)
@@ -187,15 +198,11 @@ class Cluster(CodecBase):
             x, self.bits, self.domain, self.iters, self.sample, value.dtype
         )
         fields, side = {"sym": symbols}, {"codebook": codebook}
-        return Encoded(fields, side, self.decode(fields, side, reference, value.dtype))
+        return self.encoded(fields, side, reference, value.dtype)
 
-    def decode(
-        self,
-        fields: dict[str, jax.Array],
-        side: dict[str, jax.Array],
-        reference: jax.Array | None,
-        dtype: Any,
-    ) -> jax.Array:
+    def decode(self, fields: Arrays, side: Arrays, reference: jax.Array | None,
+               dtype: Any) -> jax.Array:
+        """The ``codebook`` value of every symbol (plus the reference in delta mode)."""
         wd = work_dtype(dtype)
         decoded = side["codebook"].astype(wd)[fields["sym"].astype(jnp.int32)]
         base = self._base(reference, wd)
@@ -203,6 +210,7 @@ class Cluster(CodecBase):
 
     @classmethod
     def examples(cls) -> tuple[Cluster, ...]:
+        """Direct linear, direct log and delta configurations, kept small for speed."""
         return (Cluster(4, iters=4, sample=512), Cluster(8, domain="log", iters=8, sample=512),
                 Cluster(3, mode="delta", iters=4, sample=512))
 

@@ -17,7 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_lossy.codecs.base import CodecBase, Encoded, Field, rounding_slack, work_dtype
+from orbax_lossy.codecs.base import (
+    Arrays,
+    CodecBase,
+    Encoded,
+    Field,
+    rounding_slack,
+    work_dtype,
+)
 from orbax_lossy.errors import CodecError
 
 
@@ -54,27 +61,26 @@ class Uniform(CodecBase):
             raise CodecError(f"Uniform bits must be an int in 1..8, got {self.bits!r}")
 
     def fields(self) -> dict[str, Field]:
+        """One field ``sym``: the level index of every element (``2**bits`` symbols)."""
         return {"sym": Field.symbols(2**self.bits)}
 
     def encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded:
+        """Nearest-level symbols and the ``codebook`` of levels over ``[min, max]``."""
         if not jnp.issubdtype(value.dtype, jnp.floating):
             raise CodecError(f"Uniform codes floating-point leaves, got {value.dtype}")
         x = value.astype(work_dtype(value.dtype))
         levels = uniform_levels(jnp.min(x), jnp.max(x), self.bits)
         fields, side = {"sym": quantize(x, levels)}, {"codebook": levels}
-        return Encoded(fields, side, self.decode(fields, side, reference, value.dtype))
+        return self.encoded(fields, side, reference, value.dtype)
 
-    def decode(
-        self,
-        fields: dict[str, jax.Array],
-        side: dict[str, jax.Array],
-        reference: jax.Array | None,
-        dtype: Any,
-    ) -> jax.Array:
+    def decode(self, fields: Arrays, side: Arrays, reference: jax.Array | None,
+               dtype: Any) -> jax.Array:
+        """The ``codebook`` level of every symbol, as ``dtype``."""
         return side["codebook"][fields["sym"].astype(jnp.int32)].astype(dtype)
 
     @classmethod
     def examples(cls) -> tuple[Uniform, ...]:
+        """1, 4 and 8 bits."""
         return (Uniform(1), Uniform(4), Uniform(8))
 
     def error_bound(
