@@ -1,0 +1,348 @@
+"""Speed of orbax-lossy against plain Orbax (issue 10), interleaved in one process.
+
+State: float32 ``params`` plus Adam-like ``opt_state/mu`` and ``opt_state/nu`` trees (a third
+of the bytes each) that evolve between saves (params move slightly, mu/nu follow a gradient).
+For every size and config a ``CheckpointManager`` saves a base and 9 deltas; configs take turns
+at every step (after a warm-up run of each), so machine noise hits all of them alike.
+
+Printed per size and config (medians; ratio = lossy / plain Orbax in the same run):
+
+* ``block base`` / ``block delta``: time ``save()`` blocks;
+* ``fresh base`` / ``fresh delta``: the same for the first two saves of a fresh process (run in
+  a subprocess: compilation and numba caches cold, unless the persistent caches are on);
+* ``after restore``: ``save()`` blocking right after restoring the chain's newest step;
+* ``commit``: ``save()`` call to committed (``wait_until_finished``), delta saves;
+* ``restore``: restore of the newest step of the 9-delta chain in a fresh manager;
+* ``RSS save`` / ``RSS restore``: peak extra resident memory (sampled every ms) over the
+  process's RSS before the call, during a delta save+commit and during the restore.
+
+Also the device encode throughput of the jitted program alone for LC(3) float32.
+
+    python benchmarks/speed.py                 # 64 MB and 256 MB
+    python benchmarks/speed.py --sizes 64,256,1024 --configs default,lc
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+import orbax_lossy as ol
+
+MB = 1 << 20
+LEAVES_PER_TREE = 4
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+# ---------------------------------------------------------------------------- state
+
+
+def make_state(total_bytes: int, seed: int = 0) -> dict[str, Any]:
+    """params + mu + nu, each ``total_bytes / 3`` split over LEAVES_PER_TREE 2-D leaves."""
+    per_leaf = max(total_bytes // (3 * LEAVES_PER_TREE * 4), 1024)
+    cols = 1024
+    rows = max(per_leaf // cols, 1)
+    keys = jax.random.split(jax.random.key(seed), 3 * LEAVES_PER_TREE)
+    params, mu, nu = {}, {}, {}
+    for j in range(LEAVES_PER_TREE):
+        name = f"layer_{j}"
+        params[name] = 0.05 * jax.random.normal(keys[3 * j], (rows, cols), jnp.float32)
+        g = 1e-3 * jax.random.normal(keys[3 * j + 1], (rows, cols), jnp.float32)
+        mu[name] = 0.1 * g
+        nu[name] = 1e-3 * jnp.square(g)
+    return {"params": params, "opt_state": {"mu": mu, "nu": nu}}
+
+
+@jax.jit
+def _evolve(state: dict[str, Any], key: jax.Array) -> dict[str, Any]:
+    p, mu, nu = state["params"], state["opt_state"]["mu"], state["opt_state"]["nu"]
+    out_p, out_mu, out_nu = {}, {}, {}
+    for j, name in enumerate(sorted(p)):
+        k = jax.random.fold_in(key, j)
+        g = 1e-3 * jax.random.normal(k, p[name].shape, jnp.float32)
+        m = 0.9 * mu[name] + 0.1 * g
+        v = 0.999 * nu[name] + 0.001 * jnp.square(g)
+        out_p[name] = p[name] - 1e-3 * m / (jnp.sqrt(v) + 1e-8)
+        out_mu[name], out_nu[name] = m, v
+    return {"params": out_p, "opt_state": {"mu": out_mu, "nu": out_nu}}
+
+
+def evolve(state: dict[str, Any], step: int) -> dict[str, Any]:
+    """A few optimizer steps' worth of change (outside every timed region)."""
+    return jax.block_until_ready(_evolve(state, jax.random.key(1000 + step)))
+
+
+# ---------------------------------------------------------------------------- configs
+
+
+def lossy_policy(config: str) -> ol.Policy | None:
+    if config == "default":
+        return None  # ol.checkpoint_manager's default: LC(3) params, exact moments
+    if config == "lc":
+        return ol.LeafPolicy.create(defaults={
+            "first_moment": ol.LC(3), "second_moment": ol.LC(3, domain="log")})
+    if config == "adaptive":
+        return ol.AdaptivePolicy.create()
+    raise SystemExit(f"unknown config {config!r}")
+
+
+class Config:
+    """One manager per config: a save, its args and a restore."""
+
+    def __init__(self, name: str, directory: str, base_interval: int) -> None:
+        self.name = name
+        self.directory = directory
+        self.base_interval = base_interval
+        self.mngr = self.manager()
+
+    def manager(self) -> ocp.CheckpointManager:
+        if self.name == "plain":
+            return ocp.CheckpointManager(self.directory)
+        return ol.checkpoint_manager(self.directory, policy=lossy_policy(self.name),
+                                     base_interval=self.base_interval, max_to_keep=None)
+
+    def save_args(self, state: Any) -> Any:
+        return ocp.args.StandardSave(state) if self.name == "plain" else ol.LossySave(state)
+
+    def restore_args(self, target: Any) -> Any:
+        return (ocp.args.StandardRestore(target) if self.name == "plain"
+                else ol.LossyRestore(target))
+
+    def fresh(self) -> None:
+        self.mngr.close()
+        self.mngr = self.manager()
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakRSS:
+    """Peak RSS above the value at entry, sampled every millisecond in a thread."""
+
+    def __enter__(self) -> PeakRSS:
+        self.start = rss()
+        self.peak = self.start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, rss())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.start
+
+
+def timed_save(cfg: Config, step: int, state: Any) -> dict[str, float]:
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        cfg.mngr.save(step, args=cfg.save_args(state), force=True)
+        t1 = time.perf_counter()
+        cfg.mngr.wait_until_finished()
+        t2 = time.perf_counter()
+    return {"block": t1 - t0, "commit": t2 - t0, "rss": mem.extra}
+
+
+def timed_restore(cfg: Config, step: int, target: Any) -> tuple[dict[str, float], Any]:
+    cfg.fresh()
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        restored = jax.block_until_ready(cfg.mngr.restore(step, args=cfg.restore_args(target)))
+        t1 = time.perf_counter()
+    return {"restore": t1 - t0, "rss_restore": mem.extra}, restored
+
+
+def device_encode_gbps(mb: int = 64, repeats: int = 5) -> float:
+    """GB/s of input through the jitted LC(3) float32 delta program alone."""
+    from orbax_lossy.engine import device
+
+    n = mb * MB // 4
+    ref = jax.random.normal(jax.random.key(0), (n // 1024, 1024), jnp.float32)
+    value = ref + 1e-3 * jax.random.normal(jax.random.key(1), ref.shape, jnp.float32)
+    kw = {"plan": (ol.LC(3),), "shardings": (None,)}
+    jax.block_until_ready(device.encode_tree([value], [ref], **kw))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(device.encode_tree([value], [ref], **kw))
+        times.append(time.perf_counter() - t0)
+    return value.nbytes / statistics.median(times) / 1e9
+
+
+# ---------------------------------------------------------------------------- fresh process
+
+
+def fresh_child(config: str, size_mb: int, directory: str) -> None:
+    """In a subprocess: the first base and first delta save of a fresh process."""
+    state = make_state(size_mb * MB)
+    cfg = Config(config, directory, base_interval=10)
+    out = {}
+    for step, kind in ((0, "base"), (1, "delta")):
+        if step:
+            state = evolve(state, step)
+        t0 = time.perf_counter()
+        cfg.mngr.save(step, args=cfg.save_args(state), force=True)
+        out[kind] = time.perf_counter() - t0
+        cfg.mngr.wait_until_finished()
+    cfg.mngr.close()
+    print("RESULT " + json.dumps(out))
+
+
+def fresh_process(config: str, size_mb: int, root: str) -> dict[str, float]:
+    directory = os.path.join(root, f"fresh-{config}-{size_mb}")
+    proc = subprocess.run(
+        [sys.executable, __file__, "--fresh-child", config, str(size_mb), directory],
+        capture_output=True, text=True, check=False, timeout=1800,
+    )
+    shutil.rmtree(directory, ignore_errors=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"fresh child failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+# ---------------------------------------------------------------------------- one size
+
+
+def run_size(size_mb: int, configs: list[str], root: str, restores: int,
+             fresh: bool) -> dict[str, dict[str, float]]:
+    names = ["plain", *configs]
+    state0 = make_state(size_mb * MB)
+    # warm-up: a base and two deltas through every config (compiles programs, numba kernels)
+    warm = [Config(n, os.path.join(root, f"warm-{n}-{size_mb}"), base_interval=10)
+            for n in names]
+    state = state0
+    for step in range(3):
+        for cfg in warm:
+            timed_save(cfg, step, state)
+        state = evolve(state, step + 1)
+    for cfg in warm:
+        cfg.mngr.close()
+        shutil.rmtree(cfg.directory, ignore_errors=True)
+
+    cfgs = [Config(n, os.path.join(root, f"run-{n}-{size_mb}"), base_interval=20)
+            for n in names]
+    rows: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+
+    def add(name: str, key: str, value: float) -> None:
+        rows[name].setdefault(key, []).append(value)
+
+    state = state0
+    for step in range(10):  # a base and 9 deltas, configs interleaved (rotating order)
+        order = cfgs[step % len(cfgs):] + cfgs[: step % len(cfgs)]
+        for cfg in order:
+            r = timed_save(cfg, step, state)
+            kind = "base" if step == 0 else "delta"
+            add(cfg.name, f"block {kind}", r["block"])
+            add(cfg.name, f"commit {kind}", r["commit"])
+            if step:
+                add(cfg.name, "rss save", r["rss"])
+        state = evolve(state, step + 1)
+    target = jax.tree.map(lambda x: x, state0)
+    for rep in range(restores):
+        for cfg in (cfgs if rep % 2 == 0 else cfgs[::-1]):
+            r, restored = timed_restore(cfg, 9, target)
+            add(cfg.name, "restore", r["restore"])
+            add(cfg.name, "rss restore", r["rss_restore"])
+            del restored
+    # the first save after a restore (a delta against the restored step)
+    for cfg in cfgs:
+        timed_restore(cfg, 9, target)
+        r = timed_save(cfg, 10, state)
+        add(cfg.name, "after restore", r["block"])
+        cfg.mngr.close()
+        shutil.rmtree(cfg.directory, ignore_errors=True)
+    if fresh:
+        for name in names:
+            f = fresh_process(name, size_mb, root)
+            add(name, "fresh base", f["base"])
+            add(name, "fresh delta", f["delta"])
+    return {n: {k: statistics.median(v) for k, v in d.items()} for n, d in rows.items()}
+
+
+COLUMNS = ("block base", "block delta", "fresh base", "fresh delta", "after restore",
+           "commit delta", "restore", "rss save", "rss restore")
+
+
+def report(size_mb: int, table: dict[str, dict[str, float]]) -> None:
+    """Medians, then per lossy config its ratio to plain Orbax (RSS: the excess over plain
+    Orbax's, in units of the state size; the target allows 1.0, one reference copy)."""
+    plain = table["plain"]
+    print(f"\n== {size_mb} MB float32 state (params + mu + nu) ==")
+    print(f"{'config':<10}" + "".join(f"{c:>15}" for c in COLUMNS))
+    for name, row in table.items():
+        cells = []
+        for c in COLUMNS:
+            if c not in row:
+                cells.append(f"{'-':>15}")
+            elif c.startswith("rss"):
+                cells.append(f"{row[c] / MB:>12.0f} MB")
+            else:
+                cells.append(f"{row[c] * 1e3:>12.0f} ms")
+        print(f"{name:<10}" + "".join(cells))
+        if name != "plain":
+            ratios = []
+            for c in COLUMNS:
+                if c.startswith("rss") and c in row and c in plain:
+                    excess = (row[c] - plain[c]) / (size_mb * MB)
+                    ratios.append(f"{excess:>+10.2f} state")
+                elif c in row and c in plain and plain[c] > 0:
+                    ratios.append(f"{row[c] / plain[c]:>14.2f}x")
+                else:
+                    ratios.append(f"{'-':>15}")
+            print(f"{'  / plain':<10}" + "".join(ratios))
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--fresh-child":
+        fresh_child(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="64,256", help="state sizes in MB (1024 = 1 GB)")
+    parser.add_argument("--configs", default="default,lc,adaptive")
+    parser.add_argument("--restores", type=int, default=3, help="restore repeats per config")
+    parser.add_argument("--no-fresh", action="store_true", help="skip the fresh-process saves")
+    parser.add_argument("--encode-only", action="store_true", help="only device encode GB/s")
+    args = parser.parse_args()
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs")
+    print(f"device encode, LC(3) float32 delta, 64 MB: {device_encode_gbps():.2f} GB/s")
+    if args.encode_only:
+        return
+    root = tempfile.mkdtemp(prefix="orbax_lossy_speed_")
+    try:
+        for size in (int(s) for s in args.sizes.split(",")):
+            table = run_size(size, args.configs.split(","), root, args.restores,
+                             not args.no_fresh)
+            report(size, table)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
