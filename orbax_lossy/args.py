@@ -16,36 +16,79 @@ import orbax.checkpoint as ocp
 from orbax_lossy.errors import InvalidArgumentError
 from orbax_lossy.treepaths import StoredPath, flatten, path_str
 
+#: Python ints are stored as int64 (or uint64 above 2**63 - 1): the range a commit can write
+INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1
+#: a ``None`` node is stored as an empty uint8 array of storage ``"none"`` (no payload)
+NONE_PLACEHOLDER_DTYPE = np.uint8
 
-def _classify_leaf(path: StoredPath, leaf: Any) -> str:
-    """Storage kind of a leaf: ``device`` (jax.Array), ``numpy`` or a Python scalar type."""
-    if isinstance(leaf, jax.Array):
-        return "device"
-    if isinstance(leaf, (bool, np.bool_)):
-        return "bool"
-    if isinstance(leaf, (int, np.integer)) and not isinstance(leaf, bool):
-        return "int"
-    if isinstance(leaf, (float, np.floating)):
-        return "float"
-    if isinstance(leaf, np.ndarray):
-        return "numpy"
-    raise InvalidArgumentError(
-        f"leaf {path_str(path)!r} has unsupported type {type(leaf).__name__}; orbax_lossy "
-        "saves jax.Array, numpy arrays and Python/numpy scalars"
+
+def _supported_dtype(dtype: Any) -> bool:
+    from orbax_lossy.codecs.lossless import _DTYPE_CODES
+
+    try:
+        return np.dtype(dtype).name in _DTYPE_CODES
+    except TypeError:
+        return False
+
+
+def _unsupported(path: StoredPath, what: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"leaf {path_str(path)!r} {what}; orbax_lossy saves jax.Arrays and numpy arrays of "
+        "numeric or bool dtypes, numpy scalars, Python bool/int (-2**63 <= x < 2**64)/float "
+        "and None"
     )
 
 
+def _classify_leaf(path: StoredPath, leaf: Any) -> str:
+    """Storage kind of a leaf: ``device`` (jax.Array), ``numpy``, ``scalar`` (numpy scalar),
+    ``none`` or a Python scalar type (``int``, ``float``, ``bool``).
+
+    Refuses here what the commit thread could not write, naming the leaf.
+    """
+    if leaf is None:
+        return "none"
+    if isinstance(leaf, jax.Array):
+        if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) and not _supported_dtype(
+            leaf.dtype
+        ):
+            raise _unsupported(path, f"has unsupported dtype {leaf.dtype}")
+        return "device"
+    if isinstance(leaf, bool):
+        return "bool"
+    if isinstance(leaf, int):
+        if not INT_MIN <= leaf <= INT_MAX:
+            raise _unsupported(path, f"is the Python int {leaf}, outside the 64-bit range")
+        return "int"
+    if isinstance(leaf, float):
+        return "float"
+    if isinstance(leaf, np.generic):
+        if not _supported_dtype(leaf.dtype):
+            raise _unsupported(path, f"is a numpy scalar of unsupported dtype {leaf.dtype}")
+        return "scalar"
+    if isinstance(leaf, np.ndarray):
+        if not _supported_dtype(leaf.dtype):
+            raise _unsupported(path, f"is a numpy array of unsupported dtype {leaf.dtype}")
+        return "numpy"
+    raise _unsupported(path, f"has unsupported type {type(leaf).__name__}")
+
+
 def validate_item(item: Any) -> tuple[list[StoredPath], list[Any], list[str]]:
-    """Flatten and check a tree to save; raises :class:`InvalidArgumentError` naming the leaf."""
+    """Flatten and check a tree to save; raises :class:`InvalidArgumentError` naming the leaf.
+
+    Returns the leaves to write: ``None`` nodes become an empty placeholder array of storage
+    ``"none"`` (restored as ``None``).
+    """
     if item is None:
         raise InvalidArgumentError("LossySave needs an item to save, got None")
-    paths, leaves, _ = flatten(item)
-    if not leaves:
+    paths, leaves, _ = flatten(item, keep_none=True)
+    if all(leaf is None for leaf in leaves):
         raise InvalidArgumentError("LossySave item has no leaves")
-    kinds = []
+    kinds, out = [], []
     for path, leaf in zip(paths, leaves, strict=True):
         kind = _classify_leaf(path, leaf)
-        if kind == "device":
+        if kind == "none":
+            leaf = np.zeros((0,), NONE_PLACEHOLDER_DTYPE)
+        elif kind == "device":
             if leaf.is_deleted():
                 raise InvalidArgumentError(f"leaf {path_str(path)!r} is a deleted (donated) array")
             if jax.process_count() > 1 and leaf.is_fully_addressable:
@@ -55,10 +98,9 @@ def validate_item(item: Any) -> tuple[list[StoredPath], list[Any], list[str]]:
                         "run; make it a global jax.Array (jax.make_array_from_process_local_data)"
                     )
                 kind = "numpy"  # a process-local replicated value: the primary writes it
-        elif kind == "numpy" and leaf.dtype == object:
-            raise InvalidArgumentError(f"leaf {path_str(path)!r} is an object array")
         kinds.append(kind)
-    return paths, leaves, kinds
+        out.append(leaf)
+    return paths, out, kinds
 
 
 @dataclasses.dataclass
@@ -71,9 +113,16 @@ class LossySave(ocp.args.CheckpointArgs):
 
     item: Any
     force_base: bool = False
+    #: partial experts (``checkpoint_manager(partial_experts=...)``): tokens routed to each
+    #: expert since the previous save, per group (``{"blocks/0/moe": int [E] or [L, E]}``)
+    expert_tokens: Any = None
 
     def __post_init__(self) -> None:
         validate_item(self.item)
+        if self.expert_tokens is not None:
+            from orbax_lossy.experts.accounting import validate_tokens
+
+            self.expert_tokens = validate_tokens(self.expert_tokens)
 
 
 @dataclasses.dataclass

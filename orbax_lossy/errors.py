@@ -45,3 +45,7 @@ class MissingStepError(ChainError):
     def __init__(self, message: str, *, step: int | None = None) -> None:
         super().__init__(message)
         self.step = step
+
+
+class RootLockedError(LossyError):
+    """Another writer holds the checkpoint root (see ``orbax_lossy.format.lock``)."""

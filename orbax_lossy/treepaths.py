@@ -43,9 +43,15 @@ def path_str(path: StoredPath) -> str:
     return "/".join(str(k) for _, k in path) if path else "<root>"
 
 
-def flatten(tree: Any) -> tuple[list[StoredPath], list[Any], Any]:
-    """Leaves of ``tree`` with their stored paths, and the treedef."""
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+def flatten(tree: Any, keep_none: bool = False) -> tuple[list[StoredPath], list[Any], Any]:
+    """Leaves of ``tree`` with their stored paths, and the treedef.
+
+    ``keep_none``: ``None`` nodes are leaves too (saved as ``"none"`` leaves and restored as
+    ``None``); otherwise JAX's default drops them.
+    """
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=(lambda x: x is None) if keep_none else None
+    )
     paths = [encode_path(p) for p, _ in with_path]
     if len(set(paths)) != len(paths):
         raise InvalidArgumentError("two leaves of the tree have the same key path")

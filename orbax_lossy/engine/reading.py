@@ -28,6 +28,10 @@ def target_sharding(target: Any) -> jax.sharding.Sharding:
 def cast_to_target(value: Any, target: Any, leaf: LeafEntry) -> Any:
     """The restored value in the form the target (or the saved leaf) asks for."""
     storage = leaf.storage
+    if storage == "none":
+        return None
+    if storage == "scalar":  # a numpy scalar comes back as one, of its saved dtype
+        return np.asarray(value)[()]
     if storage == "int":
         return int(value)
     if storage == "float":
@@ -48,7 +52,17 @@ def cast_to_target(value: Any, target: Any, leaf: LeafEntry) -> Any:
     return value
 
 
+def pieces_by_field(pieces) -> dict[str, list]:
+    """A leaf's pieces grouped by field (one pass: restores of many leaves stay linear)."""
+    out: dict[str, list] = {}
+    for p in pieces:
+        out.setdefault(p.field, []).append(p)
+    return out
+
+
 def read_region(reader, pieces, codec, field, dtype, region, cache, where) -> np.ndarray:
+    """The values of ``field`` in ``region``, from the pieces that overlap it (each decoded
+    once per ``cache``). Raises FormatError unless the pieces cover the region."""
     out = np.empty(grid.box_shape(region), dtype)
     covered = 0
     for p in pieces:
@@ -70,6 +84,7 @@ def read_region(reader, pieces, codec, field, dtype, region, cache, where) -> np
 
 
 def decode_piece(reader, p, codec, field, dtype, where) -> np.ndarray:
+    """One verified piece, decoded to its box's shape (allocates at most that)."""
     data = reader.read(p, where)
     shape = grid.box_shape(p.box)
     try:

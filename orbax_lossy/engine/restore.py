@@ -8,20 +8,134 @@ agree on the leaf's shape, dtype, storage and key type.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from orbax_lossy.engine import device, reading
-from orbax_lossy.errors import ChainError, InvalidArgumentError
+from orbax_lossy.errors import ChainError, FormatError, InvalidArgumentError, LossyError
 from orbax_lossy.format import payload
 from orbax_lossy.format.chain import walk_chain
 from orbax_lossy.format.manifest import HOST_STORAGES, LeafEntry, Manifest
+from orbax_lossy.format.steps import root_of
 from orbax_lossy.treepaths import StoredPath, build_nested, flatten, path_str
+
+#: what decoding damaged (but checksum-valid or CRC-recomputed) data can raise besides our
+#: own errors; at the boundary of decoding stored data these become FormatErrors with context
+_DAMAGE = (TypeError, ValueError, KeyError, IndexError, MemoryError, AssertionError,
+           OverflowError, ZeroDivisionError, AttributeError, RecursionError, RuntimeError)
+#: environment variable: the most bytes one restore may allocate in this process
+MAX_RESTORE_BYTES_ENV = "ORBAX_LOSSY_MAX_RESTORE_BYTES"
+
+
+@contextlib.contextmanager
+def stored_data(where: str) -> Iterator[None]:
+    """Turn a stray exception raised while decoding stored data into a FormatError.
+
+    ``where`` names the file, step and leaf. LossyErrors pass unchanged; the original
+    exception is chained (``raise ... from``), so a genuine bug stays visible.
+    """
+    try:
+        yield
+    except LossyError:
+        raise
+    except _DAMAGE as e:
+        raise FormatError(f"{where}: stored data does not decode "
+                          f"({type(e).__name__}: {str(e)[:300]})") from e
+    except Exception as e:
+        if type(e).__name__ in ("XlaRuntimeError", "JaxRuntimeError"):
+            raise FormatError(f"{where}: stored data does not decode ({str(e)[:300]})") from e
+        raise
+
+
+def _where(link_dir: str, manifest: Manifest, leaf: str | None = None) -> str:
+    out = f"{link_dir} (step {manifest.header.step})"
+    return out if leaf is None else f"{out}: leaf {leaf!r}"
+
+
+def memory_budget() -> int:
+    """The most bytes a restore may allocate here: ``ORBAX_LOSSY_MAX_RESTORE_BYTES``, else
+    this machine's physical memory plus the memory of its local accelerators."""
+    env = os.environ.get(MAX_RESTORE_BYTES_ENV)
+    if env:
+        return int(env)
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        host = 1 << 40
+    accel = 0
+    for d in jax.local_devices():
+        if d.platform != "cpu":
+            with contextlib.suppress(Exception):
+                accel += int((d.memory_stats() or {}).get("bytes_limit", 0))
+    return host + accel
+
+
+def _check_budget(item_dir: str, manifest: Manifest, leaves: Sequence[LeafEntry],
+                  targets: Sequence[Any]) -> None:
+    """Refuse, before allocating, a restore claiming more memory than this process has.
+
+    Counts the values this process holds (its addressable shards of device leaves, whole
+    host leaves) and their largest codec fields: a manifest that claims 2**40 elements fails
+    here, not in the allocator.
+    """
+    total, largest, name = 0, 0, ""
+    for leaf, target in zip(leaves, targets, strict=True):
+        elements = math.prod(leaf.shape)
+        if leaf.storage == "device" and elements:
+            sharding = reading.target_sharding(target)
+            with stored_data(_where(item_dir, manifest, leaf.name)):
+                regions = _region_keys(sharding, leaf.shape)
+                elements = sum(math.prod(stop - start for start, stop in r) for r in regions)
+        width = leaf.dtype.itemsize + sum(
+            d.itemsize for d in leaf.codec.field_dtypes(leaf.dtype).values())
+        need = elements * width
+        total += need
+        if need > largest:
+            largest, name = need, leaf.name
+    budget = memory_budget()
+    if total > budget:
+        raise FormatError(
+            f"{_where(item_dir, manifest)}: restoring it would allocate {total} bytes (largest "
+            f"leaf {name!r}: {largest}), more than this machine's memory ({budget}); the manifest "
+            f"is damaged, or set {MAX_RESTORE_BYTES_ENV} to allow it"
+        )
+
+
+def _region_keys(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> set:
+    from orbax_lossy.format import grid
+
+    return {grid.box_from_index(idx, shape)
+            for idx in sharding.addressable_devices_indices_map(shape).values()}
+
+
+@functools.lru_cache(maxsize=4096)
+def _side_spec(codec: Any, shape: tuple[int, ...], dtype: np.dtype) -> dict[str, tuple]:
+    """``{name: (shape, dtype)}`` of the side arrays the codec writes for such a leaf."""
+    if codec.codec_id == "exact":
+        return {}
+    value = jax.ShapeDtypeStruct(shape, dtype)
+    ref = value if codec.needs_reference else None
+    side = jax.eval_shape(lambda v, r: codec.device_encode(v, r).side, value, ref)
+    return {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in side.items()}
+
+
+def _check_side(leaf: LeafEntry, where: str) -> None:
+    """The stored side arrays are exactly those the codec writes (names, shapes, dtypes)."""
+    with stored_data(where):
+        expected = _side_spec(leaf.codec, leaf.shape, leaf.dtype)
+    got = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in leaf.side.items()}
+    if got != expected:
+        raise FormatError(f"{where}: side arrays {got} are not the {expected} its codec "
+                          f"{leaf.codec_config.get('id')!r} writes")
 
 
 @dataclasses.dataclass
@@ -127,22 +241,26 @@ def _decode_link(
     for k, leaf in enumerate(entries):
         if not active[k]:  # a later link stores this leaf whole: nothing to read here
             continue
-        lw = f"{link_dir}: leaf {leaf.name!r}"
+        lw = _where(link_dir, manifest, leaf.name)
         codec = leaf.codec
         if leaf.storage in HOST_STORAGES:
-            out[k] = reading.read_region(
-                reader, leaf.pieces, codec, "raw", leaf.dtype, tuple((0, d) for d in leaf.shape),
-                {}, lw,
-            )
+            with stored_data(lw):
+                out[k] = reading.read_region(
+                    reader, leaf.pieces, codec, "raw", leaf.dtype,
+                    tuple((0, d) for d in leaf.shape), {}, lw,
+                )
             continue
+        _check_side(leaf, lw)
         sharding = reading.target_sharding(targets[k])
-        field_arrays = {
-            name: reading.assemble_field(
-                reader, [p for p in leaf.pieces if p.field == name], codec, name, fdtype,
-                leaf.shape, sharding, lw, threads,
-            )
-            for name, fdtype in codec.field_dtypes(leaf.dtype).items()
-        }
+        by_field = reading.pieces_by_field(leaf.pieces)
+        with stored_data(lw):
+            field_arrays = {
+                name: reading.assemble_field(
+                    reader, by_field.get(name, []), codec, name, fdtype, leaf.shape, sharding,
+                    lw, threads,
+                )
+                for name, fdtype in codec.field_dtypes(leaf.dtype).items()
+            }
         ref = None
         if codec.needs_reference:
             if previous is None or previous[k] is None:
@@ -156,12 +274,15 @@ def _decode_link(
         sides.append({name: jnp.asarray(v) for name, v in leaf.side.items()})
         refs.append(ref)
     if device_k:
-        decoded = device.run_grouped(
-            device.decode_tree,
-            manifest.header.programs == "per_leaf",
-            fields, sides, refs, plan=tuple(plan), dtypes=tuple(dtypes),
-            shardings=tuple(shardings),
-        )
+        names = [entries[k].name for k in device_k]
+        where = _where(link_dir, manifest, names[0] if len(names) == 1 else None)
+        with stored_data(f"{where} (decoding {len(names)} device leaves)"):
+            decoded = device.run_grouped(
+                device.decode_tree,
+                manifest.header.programs == "per_leaf",
+                fields, sides, refs, plan=tuple(plan), dtypes=tuple(dtypes),
+                shardings=tuple(shardings),
+            )
         for k, v in zip(device_k, decoded, strict=True):
             out[k] = v
     return out
@@ -170,46 +291,53 @@ def _decode_link(
 def restore_item(item_dir: os.PathLike | str, target: Any, threads: int) -> RestoredItem:
     """Restore one item directory onto ``target`` (a tree, or None for nested dicts)."""
     item_dir = os.path.abspath(os.path.normpath(os.fspath(item_dir)))
-    chain = walk_chain(item_dir)
+    with stored_data(item_dir):
+        chain = walk_chain(item_dir)
     final = chain[-1][1]
     selected, targets, treedef = _match_targets(item_dir, final, target)
     chosen = [final.leaves[i] for i in selected]
+    _check_budget(item_dir, final, chosen, targets)
     per_link = _link_leaves(chain, chosen)
     starts = _first_needed_links(per_link, len(chosen))
-    values: list[Any] | None = None
+    values: list[Any] = [None] * len(chosen)
     bytes_read = 0
+    root = root_of(item_dir)
     for position, ((link_dir, manifest), entries) in enumerate(zip(chain, per_link,
                                                                   strict=True)):
         active = [position >= start for start in starts]
         if not any(active):
             continue
-        reader = payload.PayloadReader(link_dir)
+        reader = payload.PayloadReader(link_dir, root)
         values = _decode_link(link_dir, manifest, entries, targets, values, active, reader,
                               threads)
         bytes_read += reader.bytes_read
-    assert values is not None
     out = []
+    final_dir = chain[-1][0]
     for k, leaf in enumerate(chosen):
         value = values[k]
-        if leaf.key_impl:
-            value = jax.random.wrap_key_data(value, impl=leaf.key_impl)
-        out.append(reading.cast_to_target(value, targets[k], leaf))
+        with stored_data(_where(final_dir, final, leaf.name)):
+            if leaf.key_impl:
+                value = jax.random.wrap_key_data(value, impl=leaf.key_impl)
+            out.append(reading.cast_to_target(value, targets[k], leaf))
     if treedef is None:
-        tree = build_nested([leaf.path for leaf in chosen], out)
+        with stored_data(_where(final_dir, final)):
+            tree = build_nested([leaf.path for leaf in chosen], out)
     else:
         tree = jax.tree_util.tree_unflatten(treedef, out)
     by_stored: list[Any] = [None] * len(final.leaves)
     for k, i in enumerate(selected):
         by_stored[i] = values[k]
-    return RestoredItem(tree, item_dir, final, by_stored, len(set(selected)) == len(final.leaves),
-                        bytes_read)
+    needed = {i for i, leaf in enumerate(final.leaves) if leaf.storage != "none"}
+    return RestoredItem(tree, item_dir, final, by_stored, needed <= set(selected), bytes_read)
 
 
 def metadata_tree(manifest: Manifest) -> Any:
     """Tree of ``jax.ShapeDtypeStruct`` of a saved item (PRNG keys as key arrays)."""
     leaves: list[Any] = []
     for leaf in manifest.leaves:
-        if leaf.key_impl:
+        if leaf.storage == "none":
+            leaves.append(None)
+        elif leaf.key_impl:
             leaves.append(jax.eval_shape(
                 lambda s=leaf.shape, d=leaf.dtype, impl=leaf.key_impl:
                 jax.random.wrap_key_data(jnp.zeros(s, d), impl=impl)))

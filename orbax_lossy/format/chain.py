@@ -28,8 +28,11 @@ def reference_dir(item_dir: str, relpath: str, root: str) -> str:
                          "relative path")
     target = os.path.normpath(os.path.join(item_dir, relpath))
     real_root = os.path.realpath(root)
-    if not _inside(target, root) or not _inside(os.path.realpath(target), real_root):
-        raise ChainError(f"{item_dir}: reference {relpath!r} leaves the checkpoint root {root}")
+    if (not _inside(target, root) or root_of(target) != root
+            or not _inside(os.path.realpath(target), real_root)
+            or not _inside(os.path.realpath(os.path.join(target, MANIFEST_NAME)), real_root)):
+        raise ChainError(f"{item_dir}: reference {relpath!r} leaves the checkpoint root {root} "
+                         "(or is not an item directory of a step in it)")
     return target
 
 
@@ -53,6 +56,8 @@ def walk_chain(item_dir: os.PathLike | str) -> list[tuple[str, Manifest]]:
         manifest = read_manifest(current)
         header = manifest.header
         dir_step = step_of(current)
+        if chain and header.step is not None and dir_step is None:
+            raise ChainError(f"{current}: a reference must be a step directory of the root")
         if header.step is not None and dir_step is not None and header.step != dir_step:
             raise ChainError(f"{current}: manifest is of step {header.step}, its directory of "
                              f"step {dir_step} (moved or swapped checkpoint)")

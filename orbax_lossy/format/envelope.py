@@ -22,6 +22,13 @@ ENVELOPE_ENCODINGS = ("msgpack", "zlib")
 MAGIC = "orbax-lossy"
 # A structure file larger than this is not one we wrote; refuse before allocating.
 MAX_ENVELOPE_BYTES = 1 << 30
+# A manifest body inflates 5-7x (at most ~20x for trees of thousands of identical leaves): a
+# body inflating past INFLATE_FLOOR + INFLATE_RATIO x its stored size is a decompression bomb.
+INFLATE_FLOOR = 8 << 20
+INFLATE_RATIO = 32
+# msgpack containers (maps and arrays) per inflated byte: a writer's manifest has one per
+# 15+ bytes; a body of empty containers (1 byte each, 56+ bytes of memory) is refused early.
+CONTAINER_BYTES = 4
 
 
 def crc32(data: bytes | memoryview | np.ndarray) -> int:
@@ -45,22 +52,49 @@ def pack_envelope(file_type: str, body: Any) -> bytes:
     )
 
 
+def inflate_limit(stored: int) -> int:
+    """The most bytes a stored (compressed) body of ``stored`` bytes may inflate to."""
+    return min(MAX_ENVELOPE_BYTES, INFLATE_FLOOR + INFLATE_RATIO * stored)
+
+
 def _inflate(body: bytes, where: str) -> bytes:
-    """zlib-decompress ``body``, refusing output past ``MAX_ENVELOPE_BYTES``."""
+    """zlib-decompress ``body``, refusing output past :func:`inflate_limit`."""
     inflater = zlib.decompressobj()
     try:
-        out = inflater.decompress(body, MAX_ENVELOPE_BYTES)
+        out = inflater.decompress(body, inflate_limit(len(body)))
     except zlib.error as e:
         raise FormatError(f"{where}: compressed body does not inflate ({e})") from e
     if inflater.unconsumed_tail or not inflater.eof:
-        raise FormatError(f"{where}: compressed body is truncated or larger than any we write")
+        raise FormatError(f"{where}: compressed body is truncated or inflates past "
+                          f"{inflate_limit(len(body))} bytes (more than any manifest we write)")
     return out
+
+
+def _unpack_bounded(data: bytes, where: str) -> Any:
+    """msgpack-decode ``data``, refusing more containers than a writer produces for its size."""
+    budget = [64 + len(data) // CONTAINER_BYTES]
+
+    def count(obj: Any) -> Any:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise FormatError(f"{where}: more msgpack maps and arrays than any manifest of "
+                              f"{len(data)} bytes holds")
+        return obj
+
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, list_hook=count,
+                               object_hook=count)
+    except FormatError:
+        raise
+    except Exception as e:  # msgpack raises several unrelated types
+        raise FormatError(f"{where}: body does not decode ({e})") from e
 
 
 def unpack_envelope(data: bytes, file_type: str, where: str) -> Any:
     """Validate and decode an envelope; ``where`` names the file in error messages."""
     try:
-        outer = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        outer = msgpack.unpackb(data, raw=False, strict_map_key=False, max_map_len=16,
+                                max_array_len=0, max_str_len=64, max_ext_len=0)
     except Exception as e:  # msgpack raises several unrelated types
         raise FormatError(f"{where}: not a valid msgpack envelope ({e})") from e
     if not isinstance(outer, dict) or outer.get("magic") != MAGIC:
@@ -82,10 +116,7 @@ def unpack_envelope(data: bytes, file_type: str, where: str) -> Any:
         raise UnsupportedVersionError(f"{where}: unknown envelope encoding {encoding!r}")
     if encoding == "zlib":
         body = _inflate(body, where)
-    try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=False)
-    except Exception as e:
-        raise FormatError(f"{where}: body does not decode ({e})") from e
+    return _unpack_bounded(body, where)
 
 
 def write_envelope(path: os.PathLike | str, file_type: str, body: Any) -> None:
@@ -94,25 +125,61 @@ def write_envelope(path: os.PathLike | str, file_type: str, body: Any) -> None:
         f.write(pack_envelope(file_type, body))
 
 
-def regular_file_size(path: str, what: str) -> int:
-    """Size of ``path``, which must be a regular file (not a FIFO, device or directory)."""
+def open_regular(path: str, what: str) -> tuple[int, int]:
+    """``(fd, size)`` of ``path`` opened read-only; it must be a regular file.
+
+    The file is opened non-blocking and checked with ``fstat`` on the open descriptor, so a
+    FIFO or device put in its place (even between a check and the open) never blocks a read.
+    """
+    if "\x00" in path:
+        raise FormatError(f"{path!r}: {what} name holds a NUL byte")
     try:
-        st = os.stat(path)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError as e:
         raise FormatError(f"{path}: {what} is missing") from e
     except OSError as e:
         raise FormatError(f"{path}: {what} cannot be read ({e})") from e
-    if not stat.S_ISREG(st.st_mode):
-        raise FormatError(f"{path}: {what} is not a regular file")
-    return st.st_size
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{path}: {what} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def read_at(fd: int, offset: int, length: int, path: str) -> bytes:
+    """``length`` bytes at ``offset`` (fewer only at the end of the file)."""
+    chunks, done = [], 0
+    try:
+        while done < length:
+            part = os.pread(fd, min(length - done, 1 << 30), offset + done)
+            if not part:
+                break
+            chunks.append(part)
+            done += len(part)
+    except OSError as e:
+        raise FormatError(f"{path}: read failed ({e})") from e
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def regular_file_size(path: str, what: str) -> int:
+    """Size of ``path``, which must be a regular file (not a FIFO, device or directory)."""
+    fd, size = open_regular(path, what)
+    os.close(fd)
+    return size
 
 
 def read_envelope(path: os.PathLike | str, file_type: str) -> Any:
-    """Read and validate an envelope file."""
+    """Read and validate an envelope file (a regular file of at most 1 GiB)."""
     path = os.fspath(path)
-    size = regular_file_size(path, "file")
-    if size > MAX_ENVELOPE_BYTES:
-        raise FormatError(f"{path}: {size} bytes is larger than any manifest we write")
-    with open(path, "rb") as f:
-        data = f.read(MAX_ENVELOPE_BYTES + 1)
+    fd, size = open_regular(path, "file")
+    try:
+        if size > MAX_ENVELOPE_BYTES:
+            raise FormatError(f"{path}: {size} bytes is larger than any manifest we write")
+        data = read_at(fd, 0, size, path)
+    finally:
+        os.close(fd)
     return unpack_envelope(data, file_type, path)

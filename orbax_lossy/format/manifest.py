@@ -21,21 +21,23 @@ import numpy as np
 from orbax_lossy.codecs.base import Codec, codec_from_config
 from orbax_lossy.errors import FormatError, LossyError
 from orbax_lossy.format.envelope import read_envelope, write_envelope
-from orbax_lossy.format.grid import box_inside, chunk_shape_for, within_one_chunk
+from orbax_lossy.format.grid import box_inside, chunk_shape_for, intersect, within_one_chunk
 from orbax_lossy.format.payload import PieceRef
 from orbax_lossy.treepaths import StoredPath, path_str
 
 MANIFEST_NAME = "manifest.msgpack"
 DEFAULT_CHUNK_BYTES = 4 << 20
-# How a leaf is held and restored: a jax.Array, a numpy array, or a Python scalar.
-STORAGES = ("device", "numpy", "int", "float", "bool")
-HOST_STORAGES = ("numpy", "int", "float", "bool")
+# How a leaf is held and restored: a jax.Array, a numpy array, a numpy scalar ("scalar"),
+# a Python scalar, or None ("none": an empty uint8 array without payload).
+STORAGES = ("device", "numpy", "scalar", "int", "float", "bool", "none")
+HOST_STORAGES = ("numpy", "scalar", "int", "float", "bool", "none")
 SAVE_TYPES = ("base", "delta")
 # Limits no writer reaches; a manifest past them is damaged or hostile.
 MAX_LEAVES = 1 << 20
 MAX_RANK = 64
 MAX_ELEMENTS = 1 << 46
-MAX_SIDE_BYTES = 64 << 20
+MAX_SIDE_BYTES = 1 << 20  # per leaf; codecs store at most a few kB (representatives, codebooks)
+MAX_SIDE_ARRAYS = 16
 MAX_CHUNK_BYTES = 1 << 30
 
 
@@ -199,7 +201,10 @@ class Header:
             save_id=_get(d, "save_id", str, where, None),
             extra_dependencies=_steps(_get(d, "extra_dependencies", list, where, []), where),
         )
-        if header.chain_length < 0 or header.process_count < 1 or header.chunk_bytes < 1:
+        if (header.chain_length < 0 or header.process_count < 1 or header.chunk_bytes < 1
+                or header.base_interval < 1 or header.primary_host < 0
+                or (header.step is not None and header.step < 0)
+                or (header.save_type == "delta") != (header.chain_length > 0)):
             raise _fail(where, "header has an out-of-range value")
         if header.programs not in ("tree", "per_leaf"):
             raise _fail(where, f"unknown program layout {header.programs!r}")
@@ -286,7 +291,10 @@ class LeafEntry:
             raise _fail(lw, f"bad codec config {str(codec_config)[:200]} ({e})") from e
         side = {}
         side_bytes = 0
-        for name, s in _get(d, "side", dict, lw, {}).items():
+        side_map = _get(d, "side", dict, lw, {})
+        if len(side_map) > MAX_SIDE_ARRAYS:
+            raise _fail(lw, f"{len(side_map)} side arrays is more than any codec stores")
+        for name, s in side_map.items():
             sw = f"{lw} side array {name!r}"
             sd = _dtype(_get(s, "dtype", str, sw), sw)
             sshape = _shape(_get(s, "shape", list, sw), sw)
@@ -294,12 +302,25 @@ class LeafEntry:
             side_bytes += len(data)
             if len(data) != math.prod(sshape) * sd.itemsize or side_bytes > MAX_SIDE_BYTES:
                 raise _fail(sw, "has the wrong size")
-            side[str(name)] = np.frombuffer(data, sd).reshape(sshape)
+            if not isinstance(name, str):
+                raise _fail(sw, "side array name is not a string")
+            side[name] = np.frombuffer(data, sd).reshape(sshape)
         rel_error = _get(d, "rel_error", (float, int), lw, 0.0)
         try:
             fields = codec.field_dtypes(dtype)
         except Exception as e:
             raise _fail(lw, f"codec {codec_config.get('id')!r} cannot store dtype {dtype}") from e
+        if storage == "none" and (shape != (0,) or dtype != np.uint8):
+            raise _fail(lw, f"a None leaf has shape {shape} and dtype {dtype}")
+        if storage in HOST_STORAGES and codec.needs_reference:
+            raise _fail(lw, f"a {storage} leaf cannot be delta coded")
+        if storage in ("scalar", "int", "float", "bool") and shape != ():
+            raise _fail(lw, f"a {storage} leaf has shape {shape}")
+        key_impl = _get(d, "key_impl", str, lw, None)
+        if key_impl is not None and (storage != "device" or dtype != np.uint32
+                                     or codec.needs_reference):
+            raise _fail(lw, f"a PRNG key leaf ({key_impl!r}) is {storage} {dtype} "
+                        f"coded with {codec_config.get('id')!r}")
         pieces = tuple(PieceRef.from_msgpack(p, lw) for p in _get(d, "pieces", list, lw, []))
         for p in pieces:
             if p.field not in fields:
@@ -311,7 +332,7 @@ class LeafEntry:
             storage=storage,
             shape=shape,
             dtype=dtype,
-            key_impl=_get(d, "key_impl", str, lw, None),
+            key_impl=key_impl,
             codec_config=dict(codec_config),
             chunk=chunk,
             side=side,
@@ -321,17 +342,46 @@ class LeafEntry:
         )
 
     def check_coverage(self, where: str) -> None:
-        """Every field's pieces cover the array exactly once (by volume)."""
+        """Every field's pieces tile the array exactly: disjoint, and covering it by volume.
+
+        Pieces lie inside one chunk-grid cell each (checked in :meth:`parse`), so overlaps
+        are looked for only among the pieces of one cell.
+        """
         total = math.prod(self.shape)
-        covered: dict[str, int] = {}
+        fields = self.codec.field_dtypes(self.dtype)
+        covered = dict.fromkeys(fields, 0)
+        cells: dict[tuple[str, tuple[int, ...]], list[PieceRef]] = {}
         for p in self.pieces:
-            covered[p.field] = covered.get(p.field, 0) + math.prod(b - a for a, b in p.box)
+            covered[p.field] += math.prod(b - a for a, b in p.box)
+            cell = tuple(a // c for (a, _), c in zip(p.box, self.chunk, strict=True))
+            cells.setdefault((p.field, cell), []).append(p)
         for name, count in covered.items():
             if count != total:
                 raise _fail(
                     where, f"leaf {self.name!r} field {name!r} covers {count} of {total} elements"
                     " (a process did not write its shards)"
                 )
+        for (name, _), group in cells.items():
+            if len(group) > 1 and _overlap(group):
+                raise _fail(where, f"leaf {self.name!r} field {name!r}: two pieces overlap")
+
+
+def _overlap(group: list[PieceRef]) -> bool:
+    """Whether two of the boxes (all inside one chunk cell) overlap."""
+    if len(group) <= 64:
+        return any(
+            intersect(a.box, b.box) is not None
+            for i, a in enumerate(group) for b in group[i + 1:]
+        )
+    lo = [min(p.box[d][0] for p in group) for d in range(len(group[0].box))]
+    hi = [max(p.box[d][1] for p in group) for d in range(len(group[0].box))]
+    seen = np.zeros([h - low for low, h in zip(lo, hi, strict=True)], np.uint8)
+    for p in group:
+        view = seen[tuple(slice(a - low, b - low) for (a, b), low in zip(p.box, lo, strict=True))]
+        if view.any():
+            return True
+        view[...] = 1
+    return False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orbax_lossy.errors import ChecksumError, FormatError, TruncatedError
-from orbax_lossy.format.envelope import crc32, regular_file_size
+from orbax_lossy.format.envelope import crc32, open_regular, read_at, regular_file_size
 from orbax_lossy.format.grid import Box
 
 _DATA_FILE = re.compile(r"data\.p\d{1,6}\.bin")
@@ -111,32 +111,50 @@ class PayloadWriter:
 
 
 class PayloadReader:
-    """Reads pieces back, verifying size and checksum; counts the bytes it read."""
+    """Reads pieces back, verifying size and checksum; counts the bytes it read.
 
-    def __init__(self, directory: os.PathLike | str) -> None:
+    Only regular files named ``data.p<K>.bin`` of the directory are opened; with ``root``,
+    a payload file whose real path (symlinks resolved) leaves ``root`` is refused.
+    """
+
+    def __init__(self, directory: os.PathLike | str, root: os.PathLike | str | None = None) -> None:
         self._dir = os.fspath(directory)
+        self._root = None if root is None else os.path.realpath(os.fspath(root))
         self._sizes: dict[str, int] = {}
         self.bytes_read = 0
+
+    def _path(self, name: str, where: str) -> str:
+        if not _DATA_FILE.fullmatch(name):
+            raise FormatError(f"{where}: piece file name {name!r} is not allowed")
+        path = os.path.join(self._dir, name)
+        if self._root is not None and name not in self._sizes:
+            real = os.path.realpath(path)
+            if os.path.commonpath([real, self._root]) != self._root:
+                raise FormatError(f"{where}: payload file {path} leads outside the checkpoint "
+                                  f"root {self._root} (symlink)")
+        return path
 
     def file_size(self, name: str, where: str) -> int:
         """Size of one payload file of this directory (a regular file), cached."""
         size = self._sizes.get(name)
         if size is None:
-            size = regular_file_size(os.path.join(self._dir, name), f"{where}: payload file")
+            size = regular_file_size(self._path(name, where), f"{where}: payload file")
             self._sizes[name] = size
         return size
 
     def read(self, ref: PieceRef, where: str) -> bytes:
-        """The verified bytes of one piece."""
-        path = os.path.join(self._dir, ref.file)
+        """The verified bytes of one piece (its range is checked against the file first)."""
+        path = self._path(ref.file, where)
         size = self.file_size(ref.file, where)
         if ref.offset + ref.length > size:
             raise TruncatedError(
                 f"{where}: {path} has {size} bytes but a piece ends at {ref.offset + ref.length}"
             )
-        with open(path, "rb") as f:
-            f.seek(ref.offset)
-            data = f.read(ref.length)
+        fd, _ = open_regular(path, f"{where}: payload file")
+        try:
+            data = read_at(fd, ref.offset, ref.length, path)
+        finally:
+            os.close(fd)
         self.bytes_read += len(data)
         if len(data) != ref.length:
             raise TruncatedError(f"{where}: short read from {path}")
