@@ -67,6 +67,10 @@ def walk_chain(item_dir: os.PathLike | str) -> list[tuple[str, Manifest]]:
             if link.step is not None and header.step != link.step:
                 raise ChainError(f"{chain[-1][0]}: references step {link.step} but "
                                  f"{current} holds step {header.step}")
+            if (link.save_id is None and header.save_id is not None
+                    and chain[-1][1].header.save_id is not None):
+                raise ChainError(f"{chain[-1][0]}: its reference records no save id, but the "
+                                 f"writer records them (a rewritten manifest)")
             if link.save_id is not None and header.save_id != link.save_id:
                 raise ChainError(f"{chain[-1][0]}: its reference {current} is not the save it "
                                  "was encoded against (replaced or rewritten checkpoint)")
