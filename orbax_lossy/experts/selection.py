@@ -1,0 +1,46 @@
+"""Which experts a save holds: interleaved round-robin (the paper's default) or load-aware.
+
+Every (group, layer) pair is a *slot row* with a position ``p`` in a fixed order (groups in
+tree order, layers in order). Sequential selection at rotation cursor ``c`` holds, in row
+``p``, experts ``(c + p) * K + j mod N`` for ``j < K``: consecutive layers hold different
+blocks of experts, so with experts sharded over an expert-parallel mesh axis the saved experts
+(and the write work) spread over the shards (MoC-System Fig. 4). Every expert is held at
+least once in every ``ceil(N / K)`` consecutive saves.
+
+Load-aware selection holds the top-K experts by unsaved tokens; ties go to the expert saved
+longest ago, then the lower id; an expert not held for ``max_staleness`` saves is held first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def sequential(n: int, k: int, cursor: int, position: int) -> list[int]:
+    """Held experts of one row (sorted)."""
+    k = min(k, n)
+    start = ((cursor + position) * k) % n
+    return sorted({(start + j) % n for j in range(k)})
+
+
+def load_aware(
+    n: int, k: int, unsaved: Sequence[int], age: Sequence[int], max_staleness: int | None,
+) -> list[int]:
+    """Top-K by unsaved tokens with a staleness cap (see the module docstring)."""
+    k = min(k, n)
+    unsaved = np.asarray(unsaved, np.int64)
+    age = np.asarray(age, np.int64)
+    order = sorted(range(n), key=lambda e: (-int(unsaved[e]), -int(age[e]), e))
+    forced: list[int] = []
+    if max_staleness is not None:
+        stale = [e for e in range(n) if age[e] >= max_staleness]
+        forced = sorted(stale, key=lambda e: (-int(age[e]), -int(unsaved[e]), e))[:k]
+    held = list(forced)
+    for e in order:
+        if len(held) >= k:
+            break
+        if e not in held:
+            held.append(e)
+    return sorted(held)
