@@ -37,16 +37,20 @@ def load_digits(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
 
 
 class MLP(nn.Module):
+    """Two ReLU hidden layers of width ``hidden``, then 10 logits."""
+
     hidden: int = 128
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        """The 10 logits of every row of ``x`` (flattened 8x8 images)."""
         x = nn.relu(nn.Dense(self.hidden)(x))
         x = nn.relu(nn.Dense(self.hidden)(x))
         return nn.Dense(10)(x)
 
 
 def make_optimizer(name: str, learning_rate: float = 1e-3) -> optax.GradientTransformation:
+    """The optax optimizer ``name`` (``sgd`` with momentum, ``adam`` or ``adamw``)."""
     if name == "sgd":
         return optax.sgd(learning_rate * 30, momentum=0.9)
     if name == "adam":
@@ -59,6 +63,7 @@ def make_optimizer(name: str, learning_rate: float = 1e-3) -> optax.GradientTran
 def create_state(
     optimizer: str = "adamw", hidden: int = 128, seed: int = 0
 ) -> train_state.TrainState:
+    """A fresh ``TrainState`` of an :class:`MLP` with the optimizer ``optimizer``."""
     model = MLP(hidden)
     params = model.init(jax.random.key(seed), jnp.zeros((1, 64), jnp.float32))["params"]
     return train_state.TrainState.create(
@@ -67,17 +72,20 @@ def create_state(
 
 
 def loss_fn(params: Any, apply_fn: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy of the model on ``(x, y)``."""
     logits = apply_fn({"params": params}, x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 @jax.jit
 def train_step(state: train_state.TrainState, x: jax.Array, y: jax.Array):
+    """One jitted gradient step on a batch: ``(new state, loss before the step)``."""
     loss, grads = jax.value_and_grad(loss_fn)(state.params, state.apply_fn, x, y)
     return state.apply_gradients(grads=grads), loss
 
 
 def evaluate(state: train_state.TrainState, x: np.ndarray, y: np.ndarray) -> float:
+    """The loss of ``state`` on ``(x, y)`` as a Python float."""
     return float(loss_fn(state.params, state.apply_fn, jnp.asarray(x), jnp.asarray(y)))
 
 
@@ -150,6 +158,8 @@ def run(
             )
         )
         last = state
+    if last is None:
+        raise ValueError(f"no checkpoint to report: steps={steps} < every={every}")
     raw = sum(x.nbytes for x in jax.tree.leaves(last.params))
     print(f"digits MLP, {optimizer}, LC bits={bits}, base every {base_interval} saves")
     print(f"raw float32 params: {raw} bytes")

@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 import orbax.checkpoint as ocp
 
@@ -28,7 +28,8 @@ from orbax_lossy.retention import (
 _UNSET: Any = object()
 DEFAULT_MAX_TO_KEEP = 3
 
-Items = Mapping[str, Any] | ocp.handlers.CheckpointHandlerRegistry
+#: what ``items`` may be: handlers by item name, or an Orbax handler registry
+Items: TypeAlias = Mapping[str, Any] | ocp.handlers.CheckpointHandlerRegistry
 
 
 def _handler_instance(name: str, handler: Any) -> Any:
@@ -55,13 +56,15 @@ def handler_registry(
     """
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     lossy: list[LossyCheckpointHandler] = [handler]
-    if hasattr(items, "get_all_entries"):  # a registry (a Protocol: no isinstance)
+    if items is None:
+        pass
+    elif hasattr(items, "get_all_entries"):  # a registry (a Protocol: no isinstance)
         for (name, args_type), h in items.get_all_entries().items():
             registry.add(name, args_type, h)
             if isinstance(h, LossyCheckpointHandler) and h not in lossy:
                 lossy.append(h)
-    elif items is not None:
-        for name, value in items.items():  # type: ignore[union-attr]
+    else:
+        for name, value in items.items():
             h = _handler_instance(name, value)
             if isinstance(h, LossyCheckpointHandler):
                 save_cls, restore_cls = LossySave, LossyRestore

@@ -24,7 +24,7 @@ import os
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orbax.checkpoint as ocp
 from etils import epath
@@ -137,8 +137,12 @@ class ChainPreservationPolicy:
 
     @property
     def handlers(self) -> list[LossyCheckpointHandler]:
+        """``handler`` as a list (a list or tuple of handlers, else the one handler)."""
         h = self.handler
-        return list(h) if isinstance(h, (list, tuple)) else [h]  # type: ignore[arg-type]
+        if isinstance(h, (list, tuple)):
+            return list(h)
+        # a lone handler; LossyCheckpointHandler is only imported for type checking
+        return [cast("LossyCheckpointHandler", h)]
 
     def _memory(self, step: int) -> tuple[int, set[int]]:
         """(how many items of ``step`` the handlers know, the steps those items need)."""
@@ -202,6 +206,11 @@ class ChainPreservationPolicy:
         return uncertain
 
     def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> Sequence[bool]:
+        """What ``inner`` keeps, plus every step a kept step depends on, directly or not.
+
+        While a step in flight may depend on more than the handlers recorded, every committed
+        step the previous decision kept is kept too.
+        """
         wanted = list(self.inner.should_preserve(checkpoints, context=context))
         keep = list(wanted)
         position = {c.step: i for i, c in enumerate(checkpoints)}

@@ -15,14 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_lossy.codecs.base import (
-    Arrays,
-    CodecBase,
-    Encoded,
-    Field,
-    rounding_slack,
-    work_dtype,
-)
+from orbax_lossy.codecs.base import Arrays, CodecBase, Encoded, Field, rounding_slack, work_dtype
 from orbax_lossy.errors import CodecError
 
 MODES = ("direct", "delta")

@@ -77,20 +77,17 @@ class LeafPolicy:
         merged.update({check_role(r, "defaults"): c for r, c in (defaults or {}).items()})
         return cls(rules=tuple(rules), defaults=tuple(merged.items()))
 
-    def plan(
-        self,
-        paths: Sequence[StoredPath],
-        values: Sequence[jax.Array],
-        references: Sequence[jax.Array | None],
-        is_base: bool,
-    ) -> list[Codec]:
-        """Codec of every device leaf for one save (see :class:`~orbax_lossy.policy.Policy`)."""
+    def plan(self, paths: Sequence[StoredPath], values: Sequence[jax.Array],
+             references: Sequence[jax.Array | None], is_base: bool) -> list[Codec]:
+        """:meth:`choose` for every leaf (:meth:`~orbax_lossy.policy.Policy.plan`)."""
         return [
             self.choose(path, path_str(path), value.dtype, is_base)
             for path, value in zip(paths, values, strict=True)
         ]
 
     def choose(self, path: StoredPath, path_string: str, dtype: np.dtype, is_base: bool) -> Codec:
+        """The first matching rule's codec, else the role's default; Exact for ``nonfloat``
+        and ``rng`` leaves, and instead of a delta codec on a base save."""
         role = leaf_role(path, dtype)
         if role in EXACT_ROLES:
             return Exact()

@@ -190,14 +190,10 @@ class AdaptivePolicy:
                       self.lossless_slack, self.cheap_lossless_bits,
                       float(dict(self.progress_budgets).get(role, math.inf)))
 
-    def plan(
-        self,
-        paths: Sequence[StoredPath],
-        values: Sequence[jax.Array],
-        references: Sequence[jax.Array | None],
-        is_base: bool,
-    ) -> list[Codec]:
-        """Codec of every device leaf for one save (see :class:`~orbax_lossy.policy.Policy`)."""
+    def plan(self, paths: Sequence[StoredPath], values: Sequence[jax.Array],
+             references: Sequence[jax.Array | None], is_base: bool) -> list[Codec]:
+        """:meth:`choose_leaf` for every priced leaf, Exact for the others
+        (:meth:`~orbax_lossy.policy.Policy.plan`)."""
         plan: list[Codec] = []
         for path, value, ref in zip(paths, values, references, strict=True):
             role = leaf_role(path, value.dtype)

@@ -44,6 +44,7 @@ def elementwise_rel_rms(
 
 
 def symbol_histogram(symbols: jax.Array, alphabet: int) -> jax.Array:
+    """Count of every symbol below ``alphabet`` (int32, shape ``[alphabet]``)."""
     return jnp.zeros((alphabet,), jnp.int32).at[symbols.reshape(-1).astype(jnp.int32)].add(1)
 
 
