@@ -89,8 +89,8 @@ def decode_piece(reader, p, codec, field, dtype, where) -> np.ndarray:
     shape = grid.box_shape(p.box)
     try:
         arr = codec.host_decode(field, data, shape, np.dtype(dtype))
-    except LossyError:
-        raise
+    except LossyError as e:  # same type, with the file, step and leaf
+        raise type(e)(f"{where}: piece at {p.file}:{p.offset} ({field!r}): {e}") from e
     except Exception as e:  # a decoder bug or corrupted-but-checksummed data
         raise FormatError(f"{where}: piece at {p.file}:{p.offset} does not decode: {e}") from e
     if arr.shape != shape:

@@ -157,9 +157,19 @@ def _same_leaf(a: LeafEntry, b: LeafEntry) -> bool:
 def _link_leaves(
     chain: list[tuple[str, Manifest]], selected: Sequence[LeafEntry]
 ) -> list[list[LeafEntry]]:
-    """Per link, the entries of the selected leaves (matched by path, checked alike)."""
+    """Per link, the entries of the selected leaves (matched by path, checked alike).
+
+    Every link of a chain stores the same leaf paths (a save whose tree changed is a base),
+    so a leaf added to or removed from one link is refused here.
+    """
     out = []
+    final_dir, final = chain[-1]
     for link_dir, manifest in chain:
+        if manifest is not final and manifest.index.keys() != final.index.keys():
+            extra = sorted(path_str(p) for p in manifest.index.keys() ^ final.index.keys())
+            raise ChainError(f"{link_dir} (step {manifest.header.step}) and {final_dir} "
+                             f"(step {final.header.step}) store different leaves "
+                             f"({', '.join(extra[:5])}); the chain is inconsistent")
         entries = []
         for leaf in selected:
             j = manifest.index.get(leaf.path)
