@@ -1,8 +1,8 @@
 """``LossyCheckpointHandler``: the Orbax adapter of the save and restore pipelines.
 
-``async_save`` (training thread): validate -> choose the reference (base or delta) -> encode
-on device and secure host copies (:mod:`orbax_lossy.engine.save`) -> return a commit future
-that entropy-codes and writes files once Orbax has created the directory. ``finalize``
+``async_save`` (training thread): validate -> choose the reference (base or delta) -> copies
+the handler owns -> return a commit future that encodes on device, publishes the next
+reference, entropy-codes and writes files (:mod:`orbax_lossy.engine.save`). ``finalize``
 (primary host) merges the per-process indexes into the manifest. ``restore`` runs
 :mod:`orbax_lossy.engine.restore`. See ``docs/format.md`` for the layout on disk.
 """
@@ -82,7 +82,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         self.chunk_bytes = int(chunk_bytes)
         self.reference_on_host = reference_on_host
         self.primary_host = primary_host
-        self.encode_threads = encode_threads or min(4, os.cpu_count() or 1)
+        self.encode_threads = encode_threads or os.cpu_count() or 1
         self.unmanaged_deltas = bool(unmanaged_deltas)
         self._roots = ProtectedRoots()
         self._references: dict[str, Reference] = {}  # by item name: one chain per item
@@ -90,7 +90,8 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._dependencies: dict[tuple[str, int], dict[str, set[int]]] = {}
         self._lock = threading.Lock()
         self.last_restore_bytes_read = 0
-        self.last_save_stats: dict[str, Any] = {}
+        self._last_save_stats: dict[str, Any] = {}
+        self._pending: dict[str, threading.Event] = {}  # by item: reference published
 
     @classmethod
     def typestr(cls) -> str:
@@ -100,10 +101,12 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
     @property
     def reference(self) -> Reference | None:
         """The reference of the item saved or restored last (see :meth:`reference_for`)."""
+        self._await_reference(self._last_item)
         return None if self._last_item is None else self._references.get(self._last_item)
 
     def reference_for(self, item_name: str) -> Reference | None:
         """What the next delta of item ``item_name`` is encoded against."""
+        self._await_reference(item_name)
         return self._references.get(item_name)
 
     def _set_reference(self, ref: Reference) -> None:
@@ -156,44 +159,90 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
     async def async_save(
         self, directory: epath.Path, args: LossySave
     ) -> list[ocp.future.Future] | None:
-        """Encode on device and secure host copies; files are written by the returned future."""
+        """Secure handler-owned copies and return the commit future that encodes and writes.
+
+        Blocks only for dispatch: no compilation, host sync or entropy coding (one process).
+        """
+        # 1. Validate.
         if not isinstance(args, LossySave):
             raise InvalidArgumentError(f"expected LossySave args, got {type(args).__name__}")
         item_dir = final_path(os.path.abspath(os.fspath(directory)))
+        item = os.path.basename(item_dir)
         paths, leaves, storages = validate_item(args.item)
         prepared, key_impls = save.prepare_leaves(leaves, storages)
         signature = tuple(
             delta_signature(s == "device" and impl is None, np.shape(x), x.dtype)
             for x, s, impl in zip(prepared, storages, key_impls, strict=True)
         )
+        # 2. Base or delta: against the previous save's reference, once it is published.
+        self._await_reference(item)
         ref = self._choose_reference(item_dir, paths, signature, args.force_base)
-        encoded = save.encode_save(
-            item_dir=item_dir, paths=paths, prepared=prepared, storages=storages,
-            key_impls=key_impls, ref=ref, policy=self.policy, base_interval=self.base_interval,
+        header = save.make_header(
+            item_dir=item_dir, ref=ref, base_interval=self.base_interval,
             chunk_bytes=self.chunk_bytes, primary_host=self.primary_host,
+            per_leaf=bool(self.policy.plan_varies),
         )
+        self._record_dependencies(item_dir, set(header.depends_on))
+        # 3. Copies the handler owns (the caller may donate its arrays once save() returns).
+        request = save.SaveRequest(
+            item_dir=item_dir, paths=paths, values=save.secure_copies(prepared, storages),
+            storages=storages, key_impls=key_impls, ref=ref, header=header,
+            policy=self.policy, chunk_bytes=self.chunk_bytes, primary_host=self.primary_host,
+        )
+        # 4. Several processes: dispatch the device programs here, in one order everywhere.
+        dispatched = save.dispatch_encode(request) if jax.process_count() > 1 else None
+        # 5. The commit future: encode, publish the next reference, write the files.
+        published = self._pending[item] = threading.Event()
+        self._last_item = item
+        directory_str, process = os.fspath(directory), jax.process_index()
+
+        async def commit() -> None:
+            try:
+                encoded = save.encode_save(request, dispatched)
+                self._publish(request, signature, encoded)
+            except BaseException:
+                self._references.pop(item, None)  # a failed save: the next one is a base
+                raise
+            finally:
+                published.set()
+            self._write_files(directory_str, process, encoded)
+
+        return [ocp.future.CommitFutureAwaitingContractedSignals(commit(),
+                                                                 name="orbax_lossy_write")]
+
+    def _publish(self, request: save.SaveRequest, signature: Any,
+                 encoded: save.EncodedSave) -> None:
+        """Make the reconstruction of this save the reference of the next one."""
         values = encoded.reconstruction
         if self.reference_on_host:
             values = [np.asarray(r) if r is not None else None for r in values]
         header = encoded.header
-        self._set_reference(Reference(item_dir, header.step, header.save_id,
-                                      header.chain_length, tuple(paths), signature, values))
-        self._record_dependencies(item_dir, set(header.depends_on))
-        self.last_save_stats = {
+        self._set_reference(Reference(request.item_dir, header.step, header.save_id,
+                                      header.chain_length, tuple(request.paths), signature,
+                                      values))
+        self._last_save_stats = {
             "kind": header.save_type,
             "leaves": {path_str(job.entry.path): {"codec": job.entry.codec_config["id"],
                                                   "rel_error": job.entry.rel_error}
                        for job in encoded.jobs},
         }
-        is_primary = jax.process_index() == self.primary_host
-        process, threads = jax.process_index(), self.encode_threads
 
-        async def write() -> None:
-            # Orbax's commit thread, after the directory exists; the work releases the GIL.
-            save.write_process_files(os.fspath(directory), process, encoded, is_primary, threads)
+    def _write_files(self, directory: str, process: int, encoded: save.EncodedSave) -> None:
+        """Entropy-code and write this process's files (commit thread; releases the GIL)."""
+        is_primary = process == self.primary_host
+        save.write_process_files(directory, process, encoded, is_primary, self.encode_threads)
 
-        return [ocp.future.CommitFutureAwaitingContractedSignals(write(),
-                                                                 name="orbax_lossy_write")]
+    def _await_reference(self, item: str | None) -> None:
+        """Wait until the save in flight for ``item`` (if any) has published its reference."""
+        pending = self._pending.get(item) if item is not None else None
+        if pending is not None:
+            pending.wait()
+
+    @property
+    def last_save_stats(self) -> dict[str, Any]:
+        """Kind of the last save and, per leaf, its codec and relative error."""
+        self._await_reference(self._last_item)
+        return self._last_save_stats
 
     def finalize(self, directory: epath.Path) -> None:
         """Merge the per-process indexes into ``manifest.msgpack`` (primary host only)."""
@@ -220,6 +269,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         args = args if args is not None else LossyRestore()
         if not isinstance(args, LossyRestore):
             raise InvalidArgumentError(f"expected LossyRestore args, got {type(args).__name__}")
+        self._await_reference(os.path.basename(final_path(os.fspath(directory))))
         restored = restoring.restore_item(directory, args.item, self.encode_threads)
         self.last_restore_bytes_read = restored.bytes_read
         if restored.complete:

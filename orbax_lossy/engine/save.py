@@ -1,8 +1,13 @@
-"""The save pipeline: encode on device (blocking part), then write files (commit thread).
+"""The save pipeline: secure inputs (blocking part), then encode and write (commit thread).
 
-1. :func:`encode_save` (training thread): run the policy's codec plan as one jitted program,
-   start the device-to-host copies of what must be written, and return an
-   :class:`EncodedSave` holding host buffers the handler owns plus the new reference values.
+0. Training thread (``async_save``): :func:`secure_copies` makes device copies the handler
+   owns (dispatched, nothing compiled, nothing waited for) and :func:`make_header` fixes the
+   base/delta decision and the dependencies; together they form a :class:`SaveRequest`.
+1. :func:`dispatch_encode`: the policy's codec plan and the jitted encode program(s), plus
+   the start of the device-to-host copies; :func:`collect` waits for them and returns an
+   :class:`EncodedSave` holding host buffers plus the new reference values.
+   :func:`encode_save` does both. In one process this runs in the commit thread; with
+   several processes the dispatch stays on the training thread (collectives in one order).
 2. :func:`write_process_files` (Orbax's commit thread, after the directory exists):
    entropy-code every chunk-grid piece on a thread pool, append the pieces to
    ``data.p<K>.bin`` and write ``index.p<K>.msgpack``.
@@ -78,6 +83,50 @@ def prepare_leaves(leaves: Sequence[Any], storages: Sequence[str]) -> tuple[list
     return prepared, key_impls
 
 
+def secure_copies(prepared: Sequence[Any], storages: Sequence[str]) -> list[Any]:
+    """Copies of the leaves that the handler owns, so the caller may donate or overwrite its
+    arrays as soon as ``save()`` returns.
+
+    A device leaf is copied on its devices by ``jax.device_put(..., may_alias=False)``: an
+    asynchronous device-to-device copy per shard that compiles nothing and returns at once
+    (JAX orders a later donation of the original after the copy). A host leaf is copied now.
+    """
+    return [
+        jax.device_put(x, x.sharding, may_alias=False, donate=False) if s == "device"
+        else np.array(x, copy=True)
+        for x, s in zip(prepared, storages, strict=True)
+    ]
+
+
+def make_header(
+    *,
+    item_dir: str,
+    ref: Reference | None,
+    base_interval: int,
+    chunk_bytes: int,
+    primary_host: int,
+    per_leaf: bool,
+    extra_dependencies: Sequence[int] = (),
+) -> Header:
+    """The manifest header of a save, known before anything is encoded (retention reads the
+    dependencies on the training thread, right after ``save()`` returns)."""
+    return Header(
+        step=step_of(item_dir),
+        save_type="base" if ref is None else "delta",
+        chain_length=0 if ref is None else ref.chain_length + 1,
+        base_interval=base_interval,
+        reference=None
+        if ref is None
+        else ReferenceLink(os.path.relpath(ref.item_dir, item_dir), ref.step, ref.save_id),
+        chunk_bytes=chunk_bytes,
+        process_count=jax.process_count(),
+        primary_host=primary_host,
+        programs="per_leaf" if per_leaf else "tree",
+        save_id=save_id(),
+        extra_dependencies=tuple(int(s) for s in extra_dependencies),
+    )
+
+
 def _replica0_shards(arr: jax.Array) -> list[tuple[grid.Box, jax.Array]]:
     return [
         (grid.box_from_index(s.index, arr.shape), s.data)
@@ -86,21 +135,39 @@ def _replica0_shards(arr: jax.Array) -> list[tuple[grid.Box, jax.Array]]:
     ]
 
 
-def encode_save(
-    *,
-    item_dir: str,
-    paths: Sequence[StoredPath],
-    prepared: Sequence[Any],
-    storages: Sequence[str],
-    key_impls: Sequence[str | None],
-    ref: Reference | None,
-    policy: Policy,
-    base_interval: int,
-    chunk_bytes: int,
-    primary_host: int,
-    extra_dependencies: Sequence[int] = (),
-) -> EncodedSave:
-    """Choose codecs, run the device halves and secure host copies (see module docstring)."""
+@dataclasses.dataclass
+class SaveRequest:
+    """What the blocking half of a save hands over: handler-owned inputs and the header."""
+
+    item_dir: str
+    paths: Sequence[StoredPath]
+    values: list[Any]  # handler-owned copies (see secure_copies)
+    storages: Sequence[str]
+    key_impls: Sequence[str | None]
+    ref: Reference | None
+    header: Header
+    policy: Policy
+    chunk_bytes: int
+    primary_host: int
+
+
+@dataclasses.dataclass
+class Dispatched:
+    """Device programs dispatched for a save (their results may still be computing)."""
+
+    plan: list[Codec]
+    device_leaves: list[int]
+    encoded: list[dict[str, Any]]
+
+
+def dispatch_encode(req: SaveRequest) -> Dispatched:
+    """Choose codecs and dispatch the encode program(s); start the device-to-host copies.
+
+    Compiles on the first call per shapes and plan. Runs the same programs in the same order
+    on every process (their reductions are collectives). Does not wait for results, except
+    what the policy itself reads (an adaptive policy's statistics).
+    """
+    prepared, storages, key_impls, ref = req.values, req.storages, req.key_impls, req.ref
     is_base = ref is None
     codec_leaves = [
         i for i, s in enumerate(storages) if s == "device" and key_impls[i] is None
@@ -113,8 +180,8 @@ def encode_save(
                 r = jax.device_put(r, prepared[i].sharding)
             refs[i] = r
     plan: list[Codec] = [Exact() for _ in prepared]
-    chosen = policy.plan(
-        [paths[i] for i in codec_leaves],
+    chosen = req.policy.plan(
+        [req.paths[i] for i in codec_leaves],
         [prepared[i] for i in codec_leaves],
         [refs[i] for i in codec_leaves],
         is_base,
@@ -124,33 +191,32 @@ def encode_save(
             raise LossyError(f"policy chose delta codec {codec} for a base save")
         plan[i] = codec
     device_leaves = [i for i, s in enumerate(storages) if s == "device"]
-    per_leaf = bool(policy.plan_varies)
     encoded = device.run_grouped(
         device.encode_tree,
-        per_leaf,
+        bool(req.policy.plan_varies),
         [prepared[i] for i in device_leaves],
         [refs[i] for i in device_leaves],
         plan=tuple(plan[i] for i in device_leaves),
         shardings=tuple(prepared[i].sharding for i in device_leaves),
     )
+    for out in encoded:
+        for arr in out["fields"].values():
+            for _, data in _replica0_shards(arr):
+                data.copy_to_host_async()
+    return Dispatched(plan, device_leaves, encoded)
 
-    # Start every device-to-host copy, then wait for them (host copies secured).
-    pending: list[tuple[int, str, list[tuple[grid.Box, jax.Array]]]] = []
+
+def collect(req: SaveRequest, dispatched: Dispatched) -> EncodedSave:
+    """Wait for the device results and build the leaf jobs (host buffers) of the save."""
+    prepared, storages, key_impls, paths = req.values, req.storages, req.key_impls, req.paths
+    plan, device_leaves, encoded = dispatched.plan, dispatched.device_leaves, dispatched.encoded
+    host_fields: dict[int, dict[str, HostShards]] = {}
     for j, i in enumerate(device_leaves):
         for name, arr in encoded[j]["fields"].items():
-            shards = _replica0_shards(arr)
-            for _, data in shards:
-                data.copy_to_host_async()
-            pending.append((i, name, shards))
-    host_fields: dict[int, dict[str, HostShards]] = {}
-    for i, name, shards in pending:
-        host_fields.setdefault(i, {})[name] = [(box, np.asarray(d)) for box, d in shards]
+            host_fields.setdefault(i, {})[name] = [
+                (box, np.asarray(d)) for box, d in _replica0_shards(arr)
+            ]
     flags = jax.device_get([(e["safe"], e["rel_error"], e["side"]) for e in encoded])
-
-    chunk_of = {
-        i: grid.chunk_shape_for(np.shape(x), np.dtype(x.dtype).itemsize, chunk_bytes)
-        for i, x in enumerate(prepared)
-    }
 
     def job(i: int, codec: Codec, side: dict, shards: dict[str, HostShards], err: float):
         arr = prepared[i]
@@ -162,7 +228,7 @@ def encode_save(
             dtype=dtype,
             key_impl=key_impls[i],
             codec_config=codec_config(codec),
-            chunk=chunk_of[i],
+            chunk=grid.chunk_shape_for(np.shape(arr), dtype.itemsize, req.chunk_bytes),
             side={k: np.asarray(v) for k, v in side.items()},
             role=leaf_role(paths[i], dtype) if key_impls[i] is None else "rng",
             rel_error=float(err),
@@ -171,7 +237,7 @@ def encode_save(
 
     reconstruction: list[Any] = [None] * len(prepared)
     jobs: list[LeafJob] = []
-    is_primary = jax.process_index() == primary_host
+    is_primary = jax.process_index() == req.primary_host
     for j, i in enumerate(device_leaves):
         safe, rel_error, side = flags[j]
         codec = plan[i]
@@ -186,27 +252,16 @@ def encode_save(
         jobs.append(job(i, codec, side, host_fields.get(i, {}), rel_error))
     for i, storage in enumerate(storages):
         if storage != "device":
-            arr = prepared[i]
-            shards = {"raw": [(grid.full_box(arr.shape), arr.copy())] if is_primary else []}
+            arr = prepared[i]  # already a handler-owned copy
+            shards = {"raw": [(grid.full_box(arr.shape), arr)] if is_primary else []}
             jobs.append(job(i, Exact(), {}, shards, 0.0))
     jobs.sort(key=lambda x: x.index)
+    return EncodedSave(jobs, req.header, reconstruction)
 
-    header = Header(
-        step=step_of(item_dir),
-        save_type="base" if is_base else "delta",
-        chain_length=0 if ref is None else ref.chain_length + 1,
-        base_interval=base_interval,
-        reference=None
-        if ref is None
-        else ReferenceLink(os.path.relpath(ref.item_dir, item_dir), ref.step, ref.save_id),
-        chunk_bytes=chunk_bytes,
-        process_count=jax.process_count(),
-        primary_host=primary_host,
-        programs="per_leaf" if per_leaf else "tree",
-        save_id=save_id(),
-        extra_dependencies=tuple(int(s) for s in extra_dependencies),
-    )
-    return EncodedSave(jobs, header, reconstruction)
+
+def encode_save(req: SaveRequest, dispatched: Dispatched | None = None) -> EncodedSave:
+    """Dispatch (unless already done) and collect: the whole encode half of a save."""
+    return collect(req, dispatched if dispatched is not None else dispatch_encode(req))
 
 
 def write_process_files(

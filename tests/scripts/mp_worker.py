@@ -122,6 +122,12 @@ def hide_manifests_from_this_process():
     return lambda: setattr(handler_module, "os", real_os)
 
 
+def dependency_of(handler, root, step):
+    """The step the item of ``step`` depends on (None for a base)."""
+    deps = handler.dependencies_of(os.path.normpath(root), step).get("default", set())
+    return max(deps) if deps else None
+
+
 def main() -> None:
     assert jax.process_count() == NPROCS and jax.local_device_count() == 4
     unhide = None
@@ -160,7 +166,7 @@ def main() -> None:
                 "kind": handler.last_save_stats["kind"],
                 "reference_step": ref.step,
                 "chain_length": ref.chain_length,
-                "depends_on": handler.dependency_of(os.path.normpath(root), step),
+                "depends_on": dependency_of(handler, root, step),
                 "all_steps_after_save": list(mngr.all_steps()),
                 "blocked_s": blocked,
             }
@@ -193,7 +199,7 @@ def main() -> None:
 
     summary["all_steps"] = list(mngr.all_steps())
     summary["dependencies"] = {
-        str(s): handler.dependency_of(os.path.normpath(root), s) for s in range(n_steps)
+        str(s): dependency_of(handler, root, s) for s in range(n_steps)
     }
     # Bytes written per process, for every kept step.
     sizes = {}
