@@ -65,23 +65,28 @@ def promote(
     bucket, n_buckets = exponent_buckets(flat)
     seg = jnp.where(bucket < 0, n_buckets, bucket)  # zeros go to a dropped extra segment
     mag = jnp.abs(flat)
-    counts = jax.ops.segment_sum(jnp.ones_like(seg), seg, num_segments=n_buckets + 1)[:-1]
     big = jnp.asarray(jnp.inf, mag.dtype)
+    # Two scatters, not three: a bucket's elements are >= tiny > 0, so it is present exactly
+    # when its maximum is (an empty segment's maximum is -inf).
     max_mag = jax.ops.segment_max(mag, seg, num_segments=n_buckets + 1)[:-1]
     min_mag = jax.ops.segment_min(jnp.where(bucket < 0, big, mag), seg, n_buckets + 1)[:-1]
 
-    present = (counts > 0).reshape(-1, 2)  # [exponent, sign]
+    present = (max_mag > 0).reshape(-1, 2)  # [exponent, sign]
     per_exponent = present.sum(axis=1)
     from_top = jnp.cumsum(per_exponent[::-1])[::-1]  # buckets with exponent >= e
     keep = present & (from_top <= n_symbols - 1)[:, None]
-    # bits=1 with both signs at the top exponent: keep the fuller of the two buckets.
-    top = jnp.max(jnp.where(per_exponent > 0, jnp.arange(per_exponent.shape[0]), -1))
-    counts2 = counts.reshape(-1, 2)
-    fuller = jnp.where(counts2[top, 1] > counts2[top, 0], 1, 0)
-    fallback = (
-        jnp.zeros_like(keep).at[top, fuller].set(True) & present & (top >= 0)
-    )
-    keep = jnp.where(jnp.any(keep), keep, fallback).reshape(-1)
+    if n_symbols <= 2:
+        # One symbol besides 0 and both signs at the top exponent: keep the fuller bucket
+        # (with more symbols the top exponent's buckets always fit, so keep is never empty).
+        top = jnp.max(jnp.where(per_exponent > 0, jnp.arange(per_exponent.shape[0]), -1))
+        negatives = jnp.sum((bucket == 2 * top + 1).astype(jnp.int32))
+        positives = jnp.sum((bucket == 2 * top).astype(jnp.int32))
+        fuller = jnp.where(negatives > positives, 1, 0)
+        fallback = (
+            jnp.zeros_like(keep).at[top, fuller].set(True) & present & (top >= 0)
+        )
+        keep = jnp.where(jnp.any(keep), keep, fallback)
+    keep = keep.reshape(-1)
 
     rank = jnp.cumsum(keep[::-1].astype(jnp.int32))[::-1]  # kept buckets with id >= this one
     symbol_of_bucket = jnp.where(keep, rank, 0)
