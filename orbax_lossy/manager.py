@@ -134,6 +134,7 @@ def checkpoint_manager(
     preservation_policy: Any = None,
     save_interval_steps: int = _UNSET,
     enable_async_checkpointing: bool = _UNSET,
+    partial_experts: Any = None,
     **handler_kwargs: Any,
 ) -> ocp.CheckpointManager:
     """A ``CheckpointManager`` whose delta chains survive its retention.
@@ -150,9 +151,16 @@ def checkpoint_manager(
     objects are never modified.
     """
     if handler is None:
-        handler = LossyCheckpointHandler(policy, base_interval=base_interval, **handler_kwargs)
+        handler_cls = LossyCheckpointHandler
+        if partial_experts is not None:  # until the handler hook lands
+            from orbax_lossy.experts._dev_handler import PartialExpertsHandler as handler_cls
+        handler = handler_cls(policy, base_interval=base_interval, **handler_kwargs)
     elif policy is not None or handler_kwargs:
         raise TypeError("pass either a handler or its settings, not both")
+    if partial_experts is not None:  # partial experts checkpoint (orbax_lossy.experts)
+        if not hasattr(handler, "partial_experts"):
+            raise InvalidArgumentError("partial_experts needs a handler with the PEC hook")
+        handler.partial_experts = partial_experts
     directory = os.fspath(directory)
     if options is None:
         options = ocp.CheckpointManagerOptions()

@@ -92,7 +92,7 @@ class PreparedSave:
     slots: dict[str, tuple[str, int, int | None]]  # slot leaf name -> (unit key, axis, layer)
     subtree: dict[str, tuple[str, int]]  # held subtree leaf name -> (unit key, expert)
     ref_values: dict[str, Any]  # leaf name -> per-expert reference value (None: no mosaic)
-    state: _ItemState
+    state: _ItemState | None  # None: K = N, a normal save
     meta: dict[str, Any]
 
     def reference(self, held: Any, paths: Sequence[StoredPath], signature: Sequence[Any]) -> Any:
@@ -101,8 +101,8 @@ class PreparedSave:
         ``held`` is the reference the handler holds for this item (None: a base), ``paths``
         and ``signature`` those of the tree being saved.
         """
-        if held is None:
-            return None
+        if held is None or self.state is None:
+            return held
         index = {path_str(p): j for j, p in enumerate(held.paths)}
         values, sig = [], []
         for p, s in zip(paths, signature, strict=True):
@@ -122,7 +122,8 @@ class PreparedSave:
 
     def publish(self, reference: Any) -> None:
         """Fold this save's reconstruction of the held experts into the mosaic."""
-        self.owner._publish(self, reference)
+        if self.state is not None:
+            self.owner._publish(self, reference)
 
 
 class PartialExperts:
@@ -224,6 +225,9 @@ class PartialExperts:
                     f"{sorted(layout.groups)}")
         if self.selection == "load_aware" and tokens is None:
             raise InvalidArgumentError("selection='load_aware' needs LossySave(expert_tokens=...)")
+        if self.k >= max(g.n for g in layout.groups.values()):
+            # K = N: exactly a normal save (same leaves, bytes and chain; no PEC record).
+            return PreparedSave(args, (), self, item, step, True, {}, {}, {}, {}, None, {})
         with self._lock:
             old = self._items.get(item)
         sig = layout.signature()
@@ -401,10 +405,16 @@ class PartialExperts:
                     f"restore target group {g.name!r} ({g.n} experts x {g.layers} layers) does "
                     f"not match step {meta['step']} of {item_dir} "
                     f"({None if rec is None else (rec['n'], rec['layers'])})")
-        # 2. Non-expert leaves (and the record) through the engine.
+        for g in layout.groups.values():  # name a missing holder before the engine walks
+            holder = np.asarray(groups[g.name]["holder"], np.int64)
+            for e in range(g.n):
+                for s in sorted(set(int(x) for x in holder[:, e] if x >= 0)):
+                    ctx.dir_of(s, g.name, e)
+        # 2. Non-expert leaves through the engine.
         plain = [i for i in range(len(orig_paths)) if i not in layout.expert_leaves]
-        sub_paths = [orig_paths[i] for i in plain] + [((("d", META_KEY), ("d", "meta")))]
-        sub = _assemble(sub_paths[:-1], [targets[i] for i in plain], _Any(), wrapped)
+        # (the record varies in size from save to save: read it alone, never through a chain)
+        sub = _assemble([orig_paths[i] for i in plain], [targets[i] for i in plain], None,
+                        wrapped)
         restored = restoring.restore_item(item_dir, sub, handler.encode_threads)
         got = {path_str(p): v for p, v in zip(*flatten(restored.tree)[:2], strict=True)}
         out: list[Any] = [None] * len(orig_paths)
@@ -541,7 +551,8 @@ def _assemble(paths: Sequence[StoredPath], leaves: Sequence[Any], meta: Any,
     if wrap:
         paths = [(("d", "state"), *p) for p in paths]
     tree = build_nested(list(paths), list(leaves)) if paths else {}
-    tree[META_KEY] = {"meta": meta}
+    if meta is not None:
+        tree[META_KEY] = {"meta": meta}
     return tree
 
 
