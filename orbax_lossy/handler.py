@@ -58,6 +58,8 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         later deltas need, so outside a chain-aware manager every save is a self-contained
         base (with a one-time warning). Turn it on only when nothing deletes old steps (a bare
         ``ocp.Checkpointer``, your own retention that keeps dependencies).
+      partial_experts: an :class:`~orbax_lossy.PartialExperts` (MoE): each save stores all
+        non-expert state and K experts per MoE layer (``docs/partial_experts.md``).
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         primary_host: int = 0,
         encode_threads: int | None = None,
         unmanaged_deltas: bool = False,
+        partial_experts: Any = None,
     ) -> None:
         if not isinstance(base_interval, int) or base_interval < 1:
             raise InvalidArgumentError(f"base_interval must be an int >= 1, got {base_interval!r}")
@@ -84,6 +87,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         self.primary_host = primary_host
         self.encode_threads = encode_threads or os.cpu_count() or 1
         self.unmanaged_deltas = bool(unmanaged_deltas)
+        self.partial_experts = partial_experts  # hooks: prepare_save, publish, restore
         self._roots = ProtectedRoots()
         self._references: dict[str, Reference] = {}  # by item name: one chain per item
         self._last_item: str | None = None
@@ -145,8 +149,11 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     # ------------------------------------------------------------------ save
 
-    def _choose_reference(self, item_dir: str, paths, signature, force_base) -> Reference | None:
+    def _choose_reference(self, item_dir: str, paths, signature, force_base,
+                          pec: Any = None) -> Reference | None:
         held = self._references.get(os.path.basename(item_dir))
+        if pec is not None:  # partial experts: each held expert against its own reference
+            held = pec.reference(held, paths, signature)
         ref = usable_reference(held, item_dir, paths, signature,
                                force_base=force_base, base_interval=self.base_interval)
         if ref is not None and not self.chains_protected(root_of(item_dir)):
@@ -168,6 +175,11 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             raise InvalidArgumentError(f"expected LossySave args, got {type(args).__name__}")
         item_dir = final_path(os.path.abspath(os.fspath(directory)))
         item = os.path.basename(item_dir)
+        pec = None
+        if self.partial_experts is not None:  # partial experts: save the held experts only
+            self._await_reference(item)
+            pec = self.partial_experts.prepare_save(item_dir, args)
+            args = pec.args
         paths, leaves, storages = validate_item(args.item)
         prepared, key_impls = save.prepare_leaves(leaves, storages)
         signature = tuple(
@@ -176,11 +188,12 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         )
         # 2. Base or delta: against the previous save's reference, once it is published.
         self._await_reference(item)
-        ref = self._choose_reference(item_dir, paths, signature, args.force_base)
+        ref = self._choose_reference(item_dir, paths, signature, args.force_base, pec)
         header = save.make_header(
             item_dir=item_dir, ref=ref, base_interval=self.base_interval,
             chunk_bytes=self.chunk_bytes, primary_host=self.primary_host,
             per_leaf=bool(self.policy.plan_varies),
+            extra_dependencies=pec.extra_dependencies if pec is not None else (),
         )
         self._record_dependencies(item_dir, set(header.depends_on))
         # 3. Copies the handler owns (the caller may donate its arrays once save() returns).
@@ -200,6 +213,8 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             try:
                 encoded = save.encode_save(request, dispatched)
                 self._publish(request, signature, encoded)
+                if pec is not None:
+                    pec.publish(self._references.get(item))
             except BaseException:
                 self._references.pop(item, None)  # a failed save: the next one is a base
                 raise
@@ -270,6 +285,10 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         if not isinstance(args, LossyRestore):
             raise InvalidArgumentError(f"expected LossyRestore args, got {type(args).__name__}")
         self._await_reference(os.path.basename(final_path(os.fspath(directory))))
+        if self.partial_experts is not None:  # partial experts: each from its newest holder
+            tree = self.partial_experts.restore(self, directory, args)
+            if tree is not NotImplemented:
+                return tree
         restored = restoring.restore_item(directory, args.item, self.encode_threads)
         self.last_restore_bytes_read = restored.bytes_read
         if restored.complete:

@@ -148,18 +148,14 @@ def checkpoint_manager(
     Retention means what ``options`` (or ``preservation_policy``/``max_to_keep``) say in Orbax,
     plus every step a kept step depends on; ``max_to_keep`` defaults to 3 when no ``options``
     and no policy are given. Keyword options override a copy of ``options``; the caller's
-    objects are never modified.
+    objects are never modified. ``partial_experts`` (an :class:`~orbax_lossy.PartialExperts`)
+    makes the lossy handler store all non-expert state and K experts per MoE layer per save.
     """
     if handler is None:
-        handler_cls = LossyCheckpointHandler
-        if partial_experts is not None:  # until the handler hook lands
-            from orbax_lossy.experts._dev_handler import PartialExpertsHandler as handler_cls
-        handler = handler_cls(policy, base_interval=base_interval, **handler_kwargs)
+        handler = LossyCheckpointHandler(policy, base_interval=base_interval, **handler_kwargs)
     elif policy is not None or handler_kwargs:
         raise TypeError("pass either a handler or its settings, not both")
     if partial_experts is not None:  # partial experts checkpoint (orbax_lossy.experts)
-        if not hasattr(handler, "partial_experts"):
-            raise InvalidArgumentError("partial_experts needs a handler with the PEC hook")
         handler.partial_experts = partial_experts
     directory = os.fspath(directory)
     if options is None:
