@@ -17,6 +17,12 @@ from orbax_lossy.errors import (
     TruncatedError,
     UnsupportedVersionError,
 )
+from orbax_lossy.experts import (
+    PartialExperts,
+    partial_experts_report,
+    rules_from_nnx,
+    rules_from_shardings,
+)
 from orbax_lossy.export import export_step
 from orbax_lossy.handler import LossyCheckpointHandler, LossyRestore, LossySave
 from orbax_lossy.manager import checkpoint_manager
@@ -42,6 +48,7 @@ __all__ = [
     "LossyRestore",
     "LossySave",
     "MissingStepError",
+    "PartialExperts",
     "TruncatedError",
     "Uniform",
     "UnsupportedVersionError",
@@ -50,4 +57,7 @@ __all__ = [
     "checkpoint_stats",
     "export_step",
     "kept_for_chains",
+    "partial_experts_report",
+    "rules_from_nnx",
+    "rules_from_shardings",
 ]
