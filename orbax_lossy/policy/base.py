@@ -7,7 +7,12 @@ Every leaf gets a *role* from its key path and dtype:
 * ``second_moment`` - Adam/AdamW ``nu`` (or ``v`` under an optimizer state);
   ``first_moment`` - Adam ``mu``, SGD momentum ``trace`` (or ``m`` under an optimizer
   state); ``optimizer`` - any other float leaf under an optimizer state;
-* ``param`` - every other floating-point leaf.
+* ``param`` - every other floating-point leaf, unless the tree is structured;
+* ``state`` - float leaves that are neither trainable parameters nor optimizer moments
+  (BatchNorm statistics, a loss scale, an EMA of the parameters, metrics): stored exactly by
+  default. Only :mod:`~orbax_lossy.policy.roles` gives this role (from framework types and
+  collections: :func:`~orbax_lossy.policy.roles.leaf_roles`, or from paths alone:
+  :func:`~orbax_lossy.policy.roles.path_roles`); :func:`leaf_role` sees one path and cannot.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from orbax_lossy.codecs.base import Codec
 from orbax_lossy.errors import InvalidArgumentError
 from orbax_lossy.treepaths import StoredPath
 
-ROLES = ("param", "first_moment", "second_moment", "optimizer", "nonfloat", "rng")
+ROLES = ("param", "first_moment", "second_moment", "optimizer", "state", "nonfloat", "rng")
 #: roles whose leaves are always stored exactly, whatever the rules say
 EXACT_ROLES = ("nonfloat", "rng")
 #: roles of optimizer-state leaves
@@ -83,10 +88,14 @@ class Policy(Protocol):
         values: Sequence[jax.Array],
         references: Sequence[jax.Array | None],
         is_base: bool,
+        roles: Sequence[str] | None = None,
     ) -> list[Codec]:
         """Codec of every device leaf for one save.
 
         ``references`` holds the previous reconstruction of each leaf (None on base saves).
+        ``roles``: the role of every leaf from the tree's objects
+        (:func:`~orbax_lossy.policy.roles.leaf_roles`, restricted to these leaves); None:
+        from the paths (:func:`~orbax_lossy.policy.roles.path_roles`).
         A policy must return the same plan on every process for the same inputs, and must not
         give a codec that ``needs_reference`` to a leaf without a reference.
         """

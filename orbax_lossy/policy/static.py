@@ -3,8 +3,13 @@
 Rules are ``(selector, codec)`` pairs tried in order; a selector is either ``"role:<name>"``
 or a regular expression searched in the leaf's path string (``params/Dense_0/kernel``). The
 first match wins; otherwise ``defaults[role]`` applies. ``nonfloat`` and ``rng`` leaves are
-always exact, and delta codecs (``needs_reference``) fall back to
-:class:`~orbax_lossy.codecs.exact.Exact` on base saves.
+always exact. On base saves a delta codec (``needs_reference``) is replaced by
+``base_defaults[role]`` (:class:`~orbax_lossy.codecs.exact.Exact` for roles without one);
+a direct codec is used as it is. Roles: :mod:`orbax_lossy.policy.roles`.
+
+The defaults (``DEFAULT_ROLE_CODECS``, ``DEFAULT_BASE_CODECS``) compress the whole training
+state; ``LeafPolicy.params_only()`` and ``LeafPolicy.lossless()`` are one argument away.
+Measurements behind them: ``docs/whole_state.md``.
 """
 
 from __future__ import annotations
@@ -18,19 +23,36 @@ import jax
 import numpy as np
 
 from orbax_lossy.codecs.base import Codec
+from orbax_lossy.codecs.cluster import Cluster
 from orbax_lossy.codecs.exact import Exact
 from orbax_lossy.codecs.lc import LC
+from orbax_lossy.codecs.zero import Zero
 from orbax_lossy.errors import InvalidArgumentError
-from orbax_lossy.policy.base import EXACT_ROLES, check_role, leaf_role
+from orbax_lossy.policy.base import EXACT_ROLES, ROLES, check_role
+from orbax_lossy.policy.roles import path_roles
 from orbax_lossy.treepaths import StoredPath, path_str
 
+#: Codec of every role on delta saves (and on base saves, for direct codecs).
 DEFAULT_ROLE_CODECS: Mapping[str, Codec] = {
     "param": LC(bits=3),
-    "first_moment": Exact(),
-    "second_moment": Exact(),
+    "first_moment": Zero(),
+    "second_moment": LC(bits=2, domain="log"),
     "optimizer": Exact(),
+    "state": Exact(),
     "nonfloat": Exact(),
     "rng": Exact(),
+}
+
+#: Codec of a role on base saves where its delta codec cannot be used (else Exact):
+#: parameters stay exact (a base anchors the chain), second moments are clustered in log.
+DEFAULT_BASE_CODECS: Mapping[str, Codec] = {
+    "second_moment": Cluster(bits=4, domain="log"),
+}
+
+#: The previous defaults: float parameters LC(3), everything else exact.
+PARAMS_ONLY_CODECS: Mapping[str, Codec] = {
+    **{role: Exact() for role in ROLES},
+    "param": LC(bits=3),
 }
 
 
@@ -56,6 +78,7 @@ class LeafPolicy:
 
     rules: tuple[tuple[str, Codec], ...] = ()
     defaults: tuple[tuple[str, Codec], ...] = tuple(DEFAULT_ROLE_CODECS.items())
+    base_defaults: tuple[tuple[str, Codec], ...] = tuple(DEFAULT_BASE_CODECS.items())
 
     def __post_init__(self) -> None:
         rules = tuple((_selector(selector), codec) for selector, codec in self.rules)
@@ -63,32 +86,66 @@ class LeafPolicy:
             if not hasattr(codec, "codec_id"):
                 raise InvalidArgumentError(f"rule {selector!r}: {codec!r} is not a codec")
         defaults = tuple((check_role(role, "defaults"), codec) for role, codec in self.defaults)
+        base = tuple((check_role(role, "base_defaults"), codec)
+                     for role, codec in self.base_defaults)
+        for role, codec in (*defaults, *base):
+            if not hasattr(codec, "codec_id"):
+                raise InvalidArgumentError(f"default of {role!r}: {codec!r} is not a codec")
+        for role, codec in base:
+            if codec.needs_reference:
+                raise InvalidArgumentError(
+                    f"base default of {role!r}: {codec!r} needs a reference (bases have none)")
         object.__setattr__(self, "rules", rules)
         object.__setattr__(self, "defaults", defaults)
+        object.__setattr__(self, "base_defaults", base)
 
     @classmethod
     def create(
         cls,
         rules: Sequence[tuple[str, Codec]] = (),
         defaults: Mapping[str, Codec] | None = None,
+        base_defaults: Mapping[str, Codec] | None = None,
     ) -> LeafPolicy:
-        """Rules tried in order, then ``DEFAULT_ROLE_CODECS`` updated with ``defaults``."""
+        """Rules tried in order, then ``DEFAULT_ROLE_CODECS`` updated with ``defaults``; on
+        base saves ``DEFAULT_BASE_CODECS`` updated with ``base_defaults``."""
         merged = dict(DEFAULT_ROLE_CODECS)
         merged.update({check_role(r, "defaults"): c for r, c in (defaults or {}).items()})
-        return cls(rules=tuple(rules), defaults=tuple(merged.items()))
+        base = dict(DEFAULT_BASE_CODECS)
+        base.update({check_role(r, "base_defaults"): c for r, c in (base_defaults or {}).items()})
+        return cls(rules=tuple(rules), defaults=tuple(merged.items()),
+                   base_defaults=tuple(base.items()))
+
+    @classmethod
+    def params_only(cls, rules: Sequence[tuple[str, Codec]] = ()) -> LeafPolicy:
+        """Float parameters through ``LC(3)`` on deltas, everything else exact (the defaults
+        before 0.2: optimizer moments cost as much as in plain Orbax)."""
+        return cls(rules=tuple(rules), defaults=tuple(PARAMS_ONLY_CODECS.items()),
+                   base_defaults=())
+
+    @classmethod
+    def lossless(cls) -> LeafPolicy:
+        """Every leaf exact: delta chains and entropy coding only, no error anywhere."""
+        return cls(defaults=tuple((role, Exact()) for role in ROLES), base_defaults=())
 
     def plan(self, paths: Sequence[StoredPath], values: Sequence[jax.Array],
-             references: Sequence[jax.Array | None], is_base: bool) -> list[Codec]:
-        """:meth:`choose` for every leaf (:meth:`~orbax_lossy.policy.Policy.plan`)."""
+             references: Sequence[jax.Array | None], is_base: bool,
+             roles: Sequence[str] | None = None) -> list[Codec]:
+        """:meth:`choose` for every leaf (:meth:`~orbax_lossy.policy.Policy.plan`); roles
+        from ``roles`` or else from the paths (:func:`~orbax_lossy.policy.roles.path_roles`)."""
+        if roles is None:
+            roles = path_roles(paths, [value.dtype for value in values])
         return [
-            self.choose(path, path_str(path), value.dtype, is_base)
-            for path, value in zip(paths, values, strict=True)
+            self.choose(path, path_str(path), value.dtype, is_base, role)
+            for path, value, role in zip(paths, values, roles, strict=True)
         ]
 
-    def choose(self, path: StoredPath, path_string: str, dtype: np.dtype, is_base: bool) -> Codec:
+    def choose(self, path: StoredPath, path_string: str, dtype: np.dtype, is_base: bool,
+               role: str | None = None) -> Codec:
         """The first matching rule's codec, else the role's default; Exact for ``nonfloat``
-        and ``rng`` leaves, and instead of a delta codec on a base save."""
-        role = leaf_role(path, dtype)
+        and ``rng`` leaves; on a base save ``base_defaults[role]`` (or Exact) instead of a
+        delta codec. ``role``: default from the path alone (no ``state`` role)."""
+        if role is None:
+            role = path_roles([path], [dtype])[0]
         if role in EXACT_ROLES:
             return Exact()
         codec: Codec | None = None
@@ -101,7 +158,7 @@ class LeafPolicy:
                 codec = candidate
                 break
         if codec is None:
-            codec = dict(self.defaults)[role]
+            codec = dict(self.defaults).get(role, Exact())
         if is_base and codec.needs_reference:
-            return Exact()
+            return dict(self.base_defaults).get(role, Exact())
         return codec

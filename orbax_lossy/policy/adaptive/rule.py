@@ -25,7 +25,8 @@ from orbax_lossy.codecs.lc import LC
 from orbax_lossy.errors import InvalidArgumentError
 from orbax_lossy.policy.adaptive.pricing import choose, is_analytic, price
 from orbax_lossy.policy.adaptive.statistics import leaf_statistics, to_host
-from orbax_lossy.policy.base import EXACT_ROLES, OPTIMIZER_ROLES, check_role, leaf_role
+from orbax_lossy.policy.base import EXACT_ROLES, OPTIMIZER_ROLES, check_role
+from orbax_lossy.policy.roles import path_roles
 from orbax_lossy.treepaths import StoredPath
 
 #: Default error budgets per role, from resume experiments (``benchmarks/whole_state.py``;
@@ -191,12 +192,15 @@ class AdaptivePolicy:
                       float(dict(self.progress_budgets).get(role, math.inf)))
 
     def plan(self, paths: Sequence[StoredPath], values: Sequence[jax.Array],
-             references: Sequence[jax.Array | None], is_base: bool) -> list[Codec]:
+             references: Sequence[jax.Array | None], is_base: bool,
+             roles: Sequence[str] | None = None) -> list[Codec]:
         """:meth:`choose_leaf` for every priced leaf, Exact for the others
-        (:meth:`~orbax_lossy.policy.Policy.plan`)."""
+        (:meth:`~orbax_lossy.policy.Policy.plan`); roles from ``roles``, else from the paths
+        (``state`` leaves have no budget: lossless)."""
+        if roles is None:
+            roles = path_roles(paths, [value.dtype for value in values])
         plan: list[Codec] = []
-        for path, value, ref in zip(paths, values, references, strict=True):
-            role = leaf_role(path, value.dtype)
+        for value, ref, role in zip(values, references, roles, strict=True):
             ref = None if is_base else ref
             if self._priced(role, value, ref, is_base):
                 plan.append(self.choose_leaf(role, value, ref))
