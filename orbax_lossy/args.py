@@ -66,6 +66,8 @@ def _classify_leaf(path: StoredPath, leaf: Any) -> str:
             raise _unsupported(path, f"is a numpy scalar of unsupported dtype {leaf.dtype}")
         return "scalar"
     if isinstance(leaf, np.ndarray):
+        if leaf.dtype == object:
+            raise _unsupported(path, "is an object array")
         if not _supported_dtype(leaf.dtype):
             raise _unsupported(path, f"is a numpy array of unsupported dtype {leaf.dtype}")
         return "numpy"

@@ -484,7 +484,7 @@ def test_writer_in_another_process_is_refused(tmp_path) -> None:
 
 @pytest.mark.parametrize("leaf, what", [
     (np.array(["a", "b"]), "dtype <U1"),
-    (np.array([object(), 1], dtype=object), "dtype object"),
+    (np.array([object(), 1], dtype=object), "an object array"),
     (1 << 64, "outside the 64-bit range"),
     (-(1 << 63) - 1, "outside the 64-bit range"),
     ("text", "type str"),

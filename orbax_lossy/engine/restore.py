@@ -128,11 +128,25 @@ def _side_spec(codec: Any, shape: tuple[int, ...], dtype: np.dtype) -> dict[str,
     return {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in side.items()}
 
 
+#: side arrays of the current codecs depend on the codec and the dtype only: they are traced
+#: once on this shape (then on the leaf's own shape only when that does not match)
+_PROBE_SHAPE = (16,)
+
+
 def _check_side(leaf: LeafEntry, where: str) -> None:
-    """The stored side arrays are exactly those the codec writes (names, shapes, dtypes)."""
+    """The stored side arrays are exactly those the codec writes (names, shapes, dtypes).
+
+    Without this, a shorter codebook would be indexed out of bounds on device, where JAX clamps
+    indices silently.
+    """
+    got = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in leaf.side.items()}
+    expected = None
+    with contextlib.suppress(Exception):
+        expected = _side_spec(leaf.codec, _PROBE_SHAPE, leaf.dtype)
+    if got == expected:
+        return
     with stored_data(where):
         expected = _side_spec(leaf.codec, leaf.shape, leaf.dtype)
-    got = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in leaf.side.items()}
     if got != expected:
         raise FormatError(f"{where}: side arrays {got} are not the {expected} its codec "
                           f"{leaf.codec_config.get('id')!r} writes")
