@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import os
@@ -260,8 +261,21 @@ def collect(req: SaveRequest, dispatched: Dispatched) -> EncodedSave:
 
 
 def encode_save(req: SaveRequest, dispatched: Dispatched | None = None) -> EncodedSave:
-    """Dispatch (unless already done) and collect: the whole encode half of a save."""
-    return collect(req, dispatched if dispatched is not None else dispatch_encode(req))
+    """Dispatch (unless already done) and collect: the whole encode half of a save.
+
+    Then releases the request's inputs (the handler-owned copies and the old reference):
+    what the files need is held by the returned jobs, so a commit holds at most the inputs,
+    the new reconstruction and the host fields at once.
+    """
+    encoded = collect(req, dispatched if dispatched is not None else dispatch_encode(req))
+    req.values, req.ref = [], None
+    return encoded
+
+
+def _append(writer: payload.PayloadWriter, pieces: dict[int, list[dict[str, Any]]],
+            task: tuple, future: concurrent.futures.Future) -> None:
+    job, _, name, piece, _ = task
+    pieces[job.index].append(writer.append(name, piece, future.result()).to_msgpack())
 
 
 def write_process_files(
@@ -286,11 +300,18 @@ def write_process_files(
 
     writer = payload.PayloadWriter(os.path.join(directory, payload.data_file_name(process)))
     pieces: dict[int, list[dict[str, Any]]] = {job.index: [] for job in save.jobs}
+    # At most `window` coded pieces wait in memory: coding runs on every thread while the
+    # pieces are appended in order (the file layout does not depend on the thread count).
+    window = 2 * max(threads, 1)
     try:
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            for task, data in zip(tasks, pool.map(encode, tasks), strict=True):
-                job, _, name, piece, _ = task
-                pieces[job.index].append(writer.append(name, piece, data).to_msgpack())
+            in_flight: collections.deque = collections.deque()
+            for task in tasks:
+                in_flight.append((task, pool.submit(encode, task)))
+                if len(in_flight) >= window:
+                    _append(writer, pieces, *in_flight.popleft())
+            while in_flight:
+                _append(writer, pieces, *in_flight.popleft())
     finally:
         writer.close()
     body: dict[str, Any] = {
