@@ -124,7 +124,13 @@ def run_grouped(fn, per_leaf: bool, *lists: list[Any], **statics: tuple[Any, ...
     return out
 
 
-@jax.jit
 def copy_tree(values: list[Any]) -> list[Any]:
-    """Device copies of a list of arrays (the restored values become the next reference)."""
-    return [None if v is None else jnp.copy(v) for v in values]
+    """Device copies of a list of arrays (the restored values become the next reference).
+
+    ``jax.device_put(..., may_alias=False)``: an asynchronous copy per shard that compiles
+    nothing (a jitted copy would compile once per restored tree).
+    """
+    return [
+        None if v is None else jax.device_put(v, v.sharding, may_alias=False, donate=False)
+        for v in values
+    ]
