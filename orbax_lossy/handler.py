@@ -30,6 +30,7 @@ from orbax_lossy.engine.reference import (
     usable_reference,
 )
 from orbax_lossy.errors import InvalidArgumentError
+from orbax_lossy.format import lock as writer_lock
 from orbax_lossy.format.manifest import DEFAULT_CHUNK_BYTES, read_manifest
 from orbax_lossy.format.steps import final_path, root_key, root_of, step_of
 from orbax_lossy.policy import LeafPolicy, Policy
@@ -174,6 +175,8 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         if not isinstance(args, LossySave):
             raise InvalidArgumentError(f"expected LossySave args, got {type(args).__name__}")
         item_dir = final_path(os.path.abspath(os.fspath(directory)))
+        # One writer per root (orbax_lossy/format/lock.py): a second handler saving here fails.
+        writer_lock.hold(self, item_dir, jax.process_index() == self.primary_host)
         item = os.path.basename(item_dir)
         pec = None
         if self.partial_experts is not None:  # partial experts: save the held experts only
