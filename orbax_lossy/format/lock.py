@@ -116,9 +116,13 @@ def hold(handler: Any, item_dir: os.PathLike | str, primary: bool = True) -> Non
 
 def _take(key: str, owner: int) -> _Held:
     """Open and flock ``<key>/.orbax-lossy.lock`` (no other process may hold it)."""
-    os.makedirs(key, exist_ok=True)
     path = os.path.join(key, LOCK_NAME)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        os.makedirs(key, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        raise RootLockedError(f"cannot create the writer lock {path} ({e}); orbax_lossy "
+                              "needs a writable checkpoint root") from e
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
