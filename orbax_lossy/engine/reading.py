@@ -118,8 +118,8 @@ def assemble_field(
             )
             cache.update(zip(needed.keys(), decoded, strict=True))
 
-    def callback(index: tuple[slice, ...]) -> np.ndarray:
-        region = grid.box_from_index(index, shape)
+    def callback(index: tuple[slice, ...] | None) -> np.ndarray:
+        region = grid.box_from_index(index or (), shape)
         return read_region(reader, list(needed.values()), codec, field, dtype, region, cache,
                             where)
 

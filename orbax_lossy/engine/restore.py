@@ -113,7 +113,7 @@ def _check_budget(item_dir: str, manifest: Manifest, leaves: Sequence[LeafEntry]
 def _region_keys(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> set:
     from orbax_lossy.format import grid
 
-    return {grid.box_from_index(idx, shape)
+    return {grid.box_from_index(idx or (), shape)
             for idx in sharding.addressable_devices_indices_map(shape).values()}
 
 
@@ -140,13 +140,14 @@ def _check_side(leaf: LeafEntry, where: str) -> None:
     indices silently.
     """
     got = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in leaf.side.items()}
+    codec: Any = leaf.codec  # codecs are frozen, hashable dataclasses
     expected = None
     with contextlib.suppress(Exception):
-        expected = _side_spec(leaf.codec, _PROBE_SHAPE, leaf.dtype)
+        expected = _side_spec(codec, _PROBE_SHAPE, leaf.dtype)
     if got == expected:
         return
     with stored_data(where):
-        expected = _side_spec(leaf.codec, leaf.shape, leaf.dtype)
+        expected = _side_spec(codec, leaf.shape, leaf.dtype)
     if got != expected:
         raise FormatError(f"{where}: side arrays {got} are not the {expected} its codec "
                           f"{leaf.codec_config.get('id')!r} writes")
@@ -220,11 +221,11 @@ def _match_targets(
         return list(range(len(manifest.leaves))), [None] * len(manifest.leaves), None
     paths, leaves, treedef = flatten(target)
     by_name: dict[str, int | None] = {}
-    for i, leaf in enumerate(manifest.leaves):
-        by_name[leaf.name] = None if leaf.name in by_name else i  # None: ambiguous
+    for j, leaf in enumerate(manifest.leaves):
+        by_name[leaf.name] = None if leaf.name in by_name else j  # None: ambiguous
     selected = []
     for p in paths:
-        i = manifest.index.get(p)
+        i: int | None = manifest.index.get(p)
         if i is None:
             i = by_name.get(path_str(p))  # dict keys and attributes alike, as Orbax does
         if i is None:

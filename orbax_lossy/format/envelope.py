@@ -33,7 +33,7 @@ CONTAINER_BYTES = 4
 
 def crc32(data: bytes | memoryview | np.ndarray) -> int:
     """CRC-32 of a buffer (zlib's, which releases the GIL on large inputs)."""
-    return zlib.crc32(memoryview(data).cast("B")) & 0xFFFFFFFF
+    return zlib.crc32(memoryview(data).cast("B")) & 0xFFFFFFFF  # type: ignore[arg-type]
 
 
 def pack_envelope(file_type: str, body: Any) -> bytes:

@@ -159,7 +159,7 @@ class Header:
 
     def to_msgpack(self) -> dict[str, Any]:
         """On-disk form (the keys of format version 1 and 2)."""
-        out = {
+        out: dict[str, Any] = {
             "step": self.step,
             "kind": self.save_type,
             "chain_length": self.chain_length,
