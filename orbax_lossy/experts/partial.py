@@ -4,8 +4,8 @@ The handler calls three hooks (see ``orbax_lossy/handler.py``):
 
 * :meth:`PartialExperts.prepare_save` (training thread, before validation): selects the held
   experts, cuts them out of every expert leaf on device (a ``[.., K @ axis, ..]`` *slot* leaf
-  under the leaf's own path, or only the held experts' leaves for one-subtree-per-expert
-  models), adds the PEC record (a small ``uint8`` JSON leaf ``__pec__/meta``) and returns a
+  under the leaf's own path; for one-subtree-per-expert models the held experts' leaves
+  stacked under the path with the expert id replaced by ``*``), adds the PEC record (a small ``uint8`` JSON leaf ``__pec__/meta``) and returns a
   :class:`PreparedSave` whose ``args`` the handler saves instead, with the steps holding the
   unheld experts as ``extra_dependencies``;
 * :meth:`PreparedSave.reference` (when the handler chooses the reference): the held slots'
@@ -90,7 +90,6 @@ class PreparedSave:
     full: bool
     held: dict[str, np.ndarray]  # group -> int [layers, K]
     slots: dict[str, tuple[str, int, int | None]]  # slot leaf name -> (unit key, axis, layer)
-    subtree: dict[str, tuple[str, int]]  # held subtree leaf name -> (unit key, expert)
     ref_values: dict[str, Any]  # leaf name -> per-expert reference value (None: no mosaic)
     state: _ItemState | None  # None: K = N, a normal save
     meta: dict[str, Any]
@@ -227,7 +226,7 @@ class PartialExperts:
             raise InvalidArgumentError("selection='load_aware' needs LossySave(expert_tokens=...)")
         if self.k >= max(g.n for g in layout.groups.values()):
             # K = N: exactly a normal save (same leaves, bytes and chain; no PEC record).
-            return PreparedSave(args, (), self, item, step, True, {}, {}, {}, {}, None, {})
+            return PreparedSave(args, (), self, item, step, True, {}, {}, {}, None, {})
         with self._lock:
             old = self._items.get(item)
         sig = layout.signature()
@@ -280,14 +279,14 @@ class PartialExperts:
                 c.unsaved[layer, h[layer]] = 0
                 c.holder[layer, h[layer]] = step
         extra.discard(step)
-        # 3. The tree to save: slots in place of expert leaves, only held subtree leaves.
+        # 3. The tree to save: held slots in place of expert leaves.
         new_paths: list[StoredPath] = []
         new_leaves: list[Any] = []
         slots: dict[str, tuple[str, int, int | None]] = {}
-        subtree: dict[str, tuple[str, int]] = {}
         ref_values: dict[str, Any] = {}
         replaced: dict[int, Any] = {}
         dropped: set[int] = set()
+        extra_leaves: list[tuple[int, StoredPath, Any]] = []
         units_meta: dict[str, list[dict[str, Any]]] = {}
         for g in layout.groups.values():
             h = held[g.name]
@@ -305,20 +304,25 @@ class PartialExperts:
                     ref_values[name] = None if mosaic is None else ops.take(
                         mosaic, h, unit.expert_axis, unit.layer_axis)
                     units_meta[g.name].append({**unit.describe(paths), "path": name})
-                else:
-                    held_set = set(int(e) for e in h[0])
-                    ids = {}
-                    for e, leaf in unit.members.items():
-                        name = prefix + path_str(paths[leaf])
-                        ids[e] = name
-                        if e in held_set:
-                            subtree[name] = (key, e)
-                            ref_values[name] = st.mosaic.get(key, {}).get(e)
-                        else:
-                            dropped.add(leaf)
-                    units_meta[g.name].append({"kind": "subtree", "member": unit.member,
-                                               "paths": {str(e): n for e, n in ids.items()}})
+                else:  # one subtree per expert: the held experts' leaves, stacked
+                    name = prefix + path_str(unit.slot_path)
+                    first = min(unit.members.values())
+                    dropped.update(unit.members.values())
+                    extra_leaves.append((first, unit.slot_path, jnp.stack(
+                        [jnp.asarray(leaves[unit.members[int(e)]]) for e in h[0]])))
+                    slots[name] = (key, 0, None)
+                    mosaic = st.mosaic.get(key)
+                    ref_values[name] = None if mosaic is None else ops.take(mosaic, h, 0, None)
+                    units_meta[g.name].append({
+                        "kind": "subtree", "member": unit.member, "path": name,
+                        "expert_axis": 0, "layer_axis": None,
+                        "paths": {str(e): prefix + path_str(paths[leaf])
+                                  for e, leaf in unit.members.items()}})
+        at = {first: (p, x) for first, p, x in extra_leaves}
         for i, (p, x) in enumerate(zip(paths, leaves, strict=True)):
+            if i in at:
+                new_paths.append(at[i][0])
+                new_leaves.append(at[i][1])
             if i in dropped:
                 continue
             new_paths.append(p)
@@ -344,7 +348,7 @@ class PartialExperts:
         if hasattr(save_args, "expert_tokens"):
             save_args.expert_tokens = None
         return PreparedSave(save_args, tuple(sorted(extra)), self, item, step, full, held,
-                            slots, subtree, ref_values, st, meta)
+                            slots, ref_values, st, meta)
 
     def _publish(self, prepared: PreparedSave, reference: Any) -> None:
         st = prepared.state
@@ -366,11 +370,6 @@ class PartialExperts:
                 st.mosaic[key] = recon
             else:
                 st.mosaic[key] = ops.put(st.mosaic[key], recon, prepared.held[group], axis, layer)
-        for name, (key, e) in prepared.subtree.items():
-            recon = values.get(name)
-            if recon is None:
-                recon = tree_leaves[name]
-            st.mosaic.setdefault(key, {})[e] = recon
         with self._lock:
             self._items[prepared.item] = st
 
@@ -447,14 +446,14 @@ class PartialExperts:
                     raw_mosaic[key] = value
                     out[unit.leaf] = _cast(value, targets[unit.leaf])
                 else:
-                    per = {}
-                    for e, leaf in unit.members.items():
-                        s = int(holder[0, e])
-                        value = _place(ctx.subtree_expert(g.name, prefix + names[leaf], e, s),
-                                       targets[leaf])
-                        per[e] = value
-                        out[leaf] = _cast(value, targets[leaf])
-                    raw_mosaic[key] = per
+                    name = prefix + path_str(unit.slot_path)
+                    per = []
+                    for e in range(g.n):
+                        leaf = unit.members[e]
+                        value = ctx.expert(g.name, name, 0, e, int(holder[0, e]))
+                        per.append(value)
+                        out[leaf] = _cast(_place(value, targets[leaf]), targets[leaf])
+                    raw_mosaic[key] = jnp.stack(per)
         tree = (build_nested(orig_paths, out) if treedef is None
                 else jax.tree_util.tree_unflatten(treedef, out))
         handler.last_restore_bytes_read = restored.bytes_read + reader_bytes[0]
@@ -465,7 +464,7 @@ class PartialExperts:
                 if unit.kind == "stacked":
                     stored_expert.add(prefix + names[unit.leaf])
                 else:
-                    stored_expert.update(prefix + names[leaf] for leaf in unit.members.values())
+                    stored_expert.add(prefix + path_str(unit.slot_path))
         plain_stored = {leaf.name for leaf in manifest.leaves
                         if leaf.name != META_NAME and leaf.name not in stored_expert}
         complete = plain_stored <= {prefix + names[i] for i in plain} and all(
@@ -570,25 +569,29 @@ def _strip_state(name: str, wrapped: bool) -> str:
 def _paths_without_target(manifest: Manifest, meta: dict[str, Any]):
     """Original paths and default targets when restoring without a target tree."""
     wrapped = bool(meta.get("wrapped"))
+    slots: dict[str, dict[str, Any]] = {}
+    for rec in meta["groups"].values():
+        for unit in rec["units"]:
+            slots[unit["path"]] = {**unit, "n": rec["n"]}
     paths: list[StoredPath] = []
     targets: list[Any] = []
-    seen = set()
     for leaf in manifest.leaves:
         if leaf.name == META_NAME:
             continue
-        p = leaf.path[1:] if wrapped else leaf.path
-        paths.append(p)
-        targets.append(_Any())
-        seen.add(path_str(p))
-    for rec in meta["groups"].values():  # unheld subtree experts are not in this step
-        for unit in rec["units"]:
-            if unit["kind"] == "subtree":
-                for name in unit["paths"].values():
-                    name = _strip_state(name, wrapped)
-                    if name not in seen:
-                        paths.append(tuple(("d", k) for k in name.split("/")))
-                        targets.append(_Any())
-                        seen.add(name)
+        unit = slots.get(leaf.name)
+        if unit is None:
+            paths.append(leaf.path[1:] if wrapped else leaf.path)
+            targets.append(_Any())
+        elif unit["kind"] == "stacked":
+            shape = list(leaf.shape)
+            shape[unit["expert_axis"]] = unit["n"]
+            paths.append(leaf.path[1:] if wrapped else leaf.path)
+            targets.append(jax.ShapeDtypeStruct(tuple(shape), leaf.dtype))
+        else:  # one subtree per expert: one leaf per expert, of the slot's trailing shape
+            for e in sorted(unit["paths"], key=int):
+                name = _strip_state(unit["paths"][e], wrapped)
+                paths.append(tuple(("d", k) for k in name.split("/")))
+                targets.append(jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype))
     return paths, targets, None
 
 
@@ -738,22 +741,6 @@ class _Context:
         canon = ops.expert_slices(self.slot(group, name, step, e), unit["expert_axis"],
                                   unit["layer_axis"])
         return canon[row.index(e), layer]
-
-    def subtree_expert(self, group: str, name: str, e: int, step: int) -> jax.Array:
-        """Leaf ``name`` of expert ``e`` (one subtree per expert) as saved at ``step``."""
-        if step < 0:
-            raise ChainError(f"group {group!r}: expert {e} was never saved")
-        key = (step, name)
-        if key not in self._slots:
-            rec = self.meta(step, group=group, expert=e)["groups"][group]
-            row = rec["held"][0]
-            if e not in row:
-                raise ChainError(f"group {group!r}: step {step} does not hold expert {e}")
-            prev = rec["ref_step"][0][row.index(e)]
-            self._slots[key] = self._decode(
-                step, name, group, e,
-                lambda: self.subtree_expert(group, name, e, prev))
-        return self._slots[key]
 
     def stored_value(self, step: int | None, name: str) -> jax.Array:
         """The decoded value of an expert leaf as stored at ``step`` (slot or held leaf)."""

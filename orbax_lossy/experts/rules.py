@@ -128,6 +128,7 @@ class Unit:
     layer_axis: int | None = None
     member: str = ""
     members: dict[int, int] = dataclasses.field(default_factory=dict)
+    slot_path: StoredPath = ()  # subtree: where the held experts are stored, stacked
 
     def describe(self, paths: Sequence[StoredPath]) -> dict[str, Any]:
         """JSON form stored in the manifest's PEC record."""
@@ -183,6 +184,7 @@ def plan_layout(
     groups: dict[str, Group] = {}
     subtree_ids: dict[str, dict[str, dict[Any, int]]] = {}  # group -> member -> id -> leaf
     expert_leaves: set[int] = set()
+    slot_paths: dict[str, StoredPath] = {}
     for i, (path, shape) in enumerate(zip(paths, shapes, strict=True)):
         name = path_str(path)
         if path and path[0][1] == META_KEY:
@@ -206,6 +208,7 @@ def plan_layout(
                 else:
                     gname = group_fn(name)
                 subtree_ids.setdefault(gname, {}).setdefault(member, {})[eid] = i
+                slot_paths.setdefault(member, _slot_path(path, m.start(1), m.end(1)))
             else:
                 ndim = len(shape)
                 where = f"expert leaf {name!r} (rule {rule.pattern!r})"
@@ -245,8 +248,14 @@ def plan_layout(
                 raise InvalidArgumentError(
                     f"expert group {gname!r}: {member.replace('{e}', missing[0])!r} is missing "
                     "(every expert subtree must have the same leaves)")
+            shapes_of = {tuple(shapes[leaf]) for leaf in per.values()}
+            if len(shapes_of) != 1:
+                raise InvalidArgumentError(
+                    f"expert group {gname!r}: {member!r} has different shapes per expert "
+                    f"{sorted(shapes_of)}")
             g.units.append(Unit("subtree", gname, member=member,
-                                members={index[e]: leaf for e, leaf in per.items()}))
+                                members={index[e]: leaf for e, leaf in per.items()},
+                                slot_path=slot_paths[member]))
     if require_match:
         for rule, ok in zip(rules, used, strict=True):
             if not ok:
@@ -255,6 +264,20 @@ def plan_layout(
         if g.n < 1:
             raise InvalidArgumentError(f"expert group {g.name!r} has no experts")
     return Layout(groups, expert_leaves)
+
+
+def _slot_path(path: StoredPath, start: int, end: int) -> StoredPath:
+    """``path`` with the expert id (characters ``start:end`` of its string) replaced by ``*``."""
+    out, offset = [], 0
+    for kind, key in path:
+        text = str(key)
+        lo, hi = offset, offset + len(text)
+        if lo <= start and end <= hi:
+            out.append(("d", text[:start - lo] + "*" + text[end - lo:]))
+        else:
+            out.append((kind, key))
+        offset = hi + 1
+    return tuple(out)
 
 
 def _merge_suffix_groups(groups: dict[str, Group], subtree_ids: dict[str, Any]) -> None:
@@ -320,10 +343,11 @@ def rules_from_shardings(
 def rules_from_nnx(
     state: Any, logical: Sequence[str] = ("expert", "experts", "exp"),
 ) -> list[tuple[str, int]]:
-    """Propose rules from NNX variable metadata (``sharding``/``sharding_names`` axis names).
+    """Propose rules from NNX variable metadata (``out_sharding`` / ``sharding_names``).
 
-    ``state`` is ``nnx.state(model)`` (or a model). A variable annotated with
-    ``nnx.with_partitioning(init, ("exp", None, "mlp"))`` gives ``(regex, 0)``.
+    ``state`` is ``nnx.state(model)`` (or a model). A variable annotated with logical axes
+    ``("exp", None, "mlp")`` (``nnx.with_partitioning``, MaxText's ``"exp"``) gives
+    ``(regex, 0)``.
     """
     from flax import nnx
 
@@ -333,13 +357,14 @@ def rules_from_nnx(
     flat = nnx.to_flat_state(state) if hasattr(nnx, "to_flat_state") else state.flat_state()
     for key, var in flat:
         names = None
-        for attr in ("sharding_names", "sharding"):
-            try:
-                names = getattr(var, attr, None)
-            except Exception:  # noqa: BLE001 - metadata access differs between flax versions
-                names = None
-            if names is None and hasattr(var, "get_metadata"):
-                names = var.get_metadata().get(attr)
+        meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
+        for attr in ("out_sharding", "sharding_names", "sharding"):
+            names = meta.get(attr) if isinstance(meta, dict) else None
+            if names is None and not isinstance(meta, dict):
+                try:
+                    names = getattr(var, attr, None)
+                except Exception:  # noqa: BLE001 - metadata access differs between versions
+                    names = None
             if names:
                 break
         if not names or not isinstance(names, (tuple, list)):
