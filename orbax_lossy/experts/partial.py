@@ -91,6 +91,7 @@ class PreparedSave:
     held: dict[str, np.ndarray]  # group -> int [layers, K]
     slots: dict[str, tuple[str, int, int | None]]  # slot leaf name -> (unit key, axis, layer)
     ref_values: dict[str, Any]  # leaf name -> per-expert reference value (None: no mosaic)
+    shardings: dict[str, Any]  # slot leaf name -> the full expert leaf's sharding (or None)
     state: _ItemState | None  # None: K = N, a normal save
     meta: dict[str, Any]
 
@@ -226,7 +227,7 @@ class PartialExperts:
             raise InvalidArgumentError("selection='load_aware' needs LossySave(expert_tokens=...)")
         if self.k >= max(g.n for g in layout.groups.values()):
             # K = N: exactly a normal save (same leaves, bytes and chain; no PEC record).
-            return PreparedSave(args, (), self, item, step, True, {}, {}, {}, None, {})
+            return PreparedSave(args, (), self, item, step, True, {}, {}, {}, {}, None, {})
         with self._lock:
             old = self._items.get(item)
         sig = layout.signature()
@@ -287,6 +288,7 @@ class PartialExperts:
         replaced: dict[int, Any] = {}
         dropped: set[int] = set()
         extra_leaves: list[tuple[int, StoredPath, Any]] = []
+        full_shardings: dict[str, Any] = {}
         units_meta: dict[str, list[dict[str, Any]]] = {}
         for g in layout.groups.values():
             h = held[g.name]
@@ -300,6 +302,7 @@ class PartialExperts:
                     name = prefix + path_str(paths[unit.leaf])
                     replaced[unit.leaf] = ops.take(x, h, unit.expert_axis, unit.layer_axis)
                     slots[name] = (key, unit.expert_axis, unit.layer_axis)
+                    full_shardings[name] = getattr(x, "sharding", None)
                     mosaic = st.mosaic.get(key)
                     ref_values[name] = None if mosaic is None else ops.take(
                         mosaic, h, unit.expert_axis, unit.layer_axis)
@@ -348,7 +351,7 @@ class PartialExperts:
         if hasattr(save_args, "expert_tokens"):
             save_args.expert_tokens = None
         return PreparedSave(save_args, tuple(sorted(extra)), self, item, step, full, held,
-                            slots, ref_values, st, meta)
+                            slots, ref_values, full_shardings, st, meta)
 
     def _publish(self, prepared: PreparedSave, reference: Any) -> None:
         st = prepared.state
@@ -367,7 +370,8 @@ class PartialExperts:
                 recon = jax.device_put(recon, slot.sharding)
             group = key.rsplit("#", 1)[0]
             if prepared.full:
-                st.mosaic[key] = recon
+                sharding = prepared.shardings.get(name)
+                st.mosaic[key] = recon if sharding is None else jax.device_put(recon, sharding)
             else:
                 st.mosaic[key] = ops.put(st.mosaic[key], recon, prepared.held[group], axis, layer)
         with self._lock:
