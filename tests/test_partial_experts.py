@@ -6,7 +6,6 @@ import os
 import shutil
 import warnings
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

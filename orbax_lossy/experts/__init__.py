@@ -1,4 +1,7 @@
-"""Partial Experts Checkpoint (PEC) for Mixture-of-Experts training (see docs/partial_experts.md)."""
+"""Partial Experts Checkpoint (PEC) for Mixture-of-Experts training.
+
+See ``docs/partial_experts.md``.
+"""
 
 from orbax_lossy.experts.partial import PartialExperts, PreparedSave
 from orbax_lossy.experts.report import partial_experts_report

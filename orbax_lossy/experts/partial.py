@@ -5,7 +5,8 @@ The handler calls three hooks (see ``orbax_lossy/handler.py``):
 * :meth:`PartialExperts.prepare_save` (training thread, before validation): selects the held
   experts, cuts them out of every expert leaf on device (a ``[.., K @ axis, ..]`` *slot* leaf
   under the leaf's own path; for one-subtree-per-expert models the held experts' leaves
-  stacked under the path with the expert id replaced by ``*``), adds the PEC record (a small ``uint8`` JSON leaf ``__pec__/meta``) and returns a
+  stacked under the path with the expert id replaced by ``*``), adds the PEC record (a small
+  ``uint8`` JSON leaf ``__pec__/meta``) and returns a
   :class:`PreparedSave` whose ``args`` the handler saves instead, with the steps holding the
   unheld experts as ``extra_dependencies``;
 * :meth:`PreparedSave.reference` (when the handler chooses the reference): the held slots'
@@ -184,7 +185,8 @@ class PartialExperts:
         self.last_restore_report: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
-        return (f"PartialExperts(k={self.k}, rules={[(r.pattern, r.expert_axis) for r in self.rules]}"
+        rules = [(r.pattern, r.expert_axis) for r in self.rules]
+        return (f"PartialExperts(k={self.k}, rules={rules}"
                 f", selection={self.selection!r})")
 
     # ------------------------------------------------------------------ public state
@@ -336,7 +338,8 @@ class PartialExperts:
         plt_now, label = accounting.plt(st.counts, self.total_assignments)
         meta = {
             "version": VERSION, "step": step, "k": int(st.k), "k_config": self.k,
-            "selection": self.selection, "wrapped": wrapped, "cursor": st.cursor, "saves": st.saves, "full": full,
+            "selection": self.selection, "wrapped": wrapped, "cursor": st.cursor,
+            "saves": st.saves, "full": full,
             "k_history": st.k_history, "restores": st.restores,
             "plt_threshold": self.plt_threshold, "dynamic_k": self.dynamic_k,
             "total_assignments": _jsonable(self.total_assignments),
@@ -355,6 +358,7 @@ class PartialExperts:
 
     def _publish(self, prepared: PreparedSave, reference: Any) -> None:
         st = prepared.state
+        assert st is not None
         values = {}
         if reference is not None:
             values = {path_str(p): v for p, v in zip(reference.paths, reference.values,
@@ -475,9 +479,9 @@ class PartialExperts:
             g in {x.name for x in layout.groups.values()} for g in groups)
         if complete:
             values = list(restored.values)
-            for j, leaf in enumerate(manifest.leaves):
-                if leaf.name in stored_expert:
-                    values[j] = ctx.stored_value(step, leaf.name)
+            for j, entry in enumerate(manifest.leaves):
+                if entry.name in stored_expert:
+                    values[j] = ctx.stored_value(step, entry.name)
             handler._adopt_reference(dataclasses.replace(restored, values=values, complete=True))
         report = self._adopt_state(os.path.basename(item_dir), meta, layout, raw_mosaic,
                                    complete)
@@ -635,13 +639,13 @@ class _Context:
         self._metas: dict[int | None, dict[str, Any]] = {}
         self._slots: dict[tuple[int | None, str], jax.Array] = {}
 
-    def dir_of(self, step: int, group: str, expert: int) -> str:
+    def dir_of(self, step: int | None, group: str, expert: int) -> str:
         if step == step_of(self.item_dir):
             return self.item_dir
         if self._dirs is None:
             self._dirs = {s: os.path.join(d, self.item)
                           for s, d in step_directories(self.root).items()}
-        d = self._dirs.get(step)
+        d = None if step is None else self._dirs.get(step)
         if d is None or not os.path.exists(os.path.join(d, "manifest.msgpack")):
             raise MissingStepError(
                 f"group {group!r}: expert {expert} is restored from step {step}, whose "

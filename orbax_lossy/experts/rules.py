@@ -212,6 +212,7 @@ def plan_layout(
             else:
                 ndim = len(shape)
                 where = f"expert leaf {name!r} (rule {rule.pattern!r})"
+                assert rule.expert_axis is not None
                 axis = _norm_axis(rule.expert_axis, ndim, where)
                 layer = None
                 if rule.layer_axis is not None:
@@ -248,7 +249,7 @@ def plan_layout(
                 raise InvalidArgumentError(
                     f"expert group {gname!r}: {member.replace('{e}', missing[0])!r} is missing "
                     "(every expert subtree must have the same leaves)")
-            shapes_of = {tuple(shapes[leaf]) for leaf in per.values()}
+            shapes_of = {tuple(shapes[leaf] or ()) for leaf in per.values()}
             if len(shapes_of) != 1:
                 raise InvalidArgumentError(
                     f"expert group {gname!r}: {member!r} has different shapes per expert "

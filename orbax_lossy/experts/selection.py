@@ -30,13 +30,13 @@ def load_aware(
 ) -> list[int]:
     """Top-K by unsaved tokens with a staleness cap (see the module docstring)."""
     k = min(k, n)
-    unsaved = np.asarray(unsaved, np.int64)
-    age = np.asarray(age, np.int64)
-    order = sorted(range(n), key=lambda e: (-int(unsaved[e]), -int(age[e]), e))
+    tokens = np.asarray(unsaved, np.int64)
+    ages = np.asarray(age, np.int64)
+    order = sorted(range(n), key=lambda e: (-int(tokens[e]), -int(ages[e]), e))
     forced: list[int] = []
     if max_staleness is not None:
-        stale = [e for e in range(n) if age[e] >= max_staleness]
-        forced = sorted(stale, key=lambda e: (-int(age[e]), -int(unsaved[e]), e))[:k]
+        stale = [e for e in range(n) if ages[e] >= max_staleness]
+        forced = sorted(stale, key=lambda e: (-int(ages[e]), -int(tokens[e]), e))[:k]
     held = list(forced)
     for e in order:
         if len(held) >= k:

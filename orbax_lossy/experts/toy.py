@@ -33,6 +33,7 @@ class MoE(nnx.Module):
         self.b_out = nnx.Param(jnp.zeros((experts, d)))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Output ``[T, d]`` and tokens routed per expert ``[E]``."""
         experts = self.w_in.shape[0]
         probs = jax.nn.softmax(self.router(x), axis=-1)
         top_p, top_i = jax.lax.top_k(probs, self.top_k)
@@ -53,6 +54,7 @@ class Block(nnx.Module):
         self.moe = MoE(d, h, experts, top_k, rngs)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Residual output and tokens routed per expert."""
         y, counts = self.moe(self.norm(x))
         return x + y, counts
 
@@ -69,6 +71,7 @@ class CharMoE(nnx.Module):
         self.head = nnx.Linear(d, vocab, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Logits ``[B, vocab]`` and tokens routed per expert ``[layers, E]``."""
         x = self.embed(tokens).reshape(tokens.shape[0], -1)
         x = self.mix(x)
         counts = []
