@@ -96,7 +96,8 @@ def pristine(tmp_path_factory) -> tuple[pathlib.Path, dict]:
         ref = handler.reference
         recon = {path_str(p): v for p, v in zip(ref.paths, ref.values, strict=True)}
     os.remove(root / ".orbax-lossy.lock")
-    expected = _signature(ol.LossyCheckpointHandler().restore(_item(root, STEPS - 1)))
+    tree = ol.LossyCheckpointHandler().restore(_item(root, STEPS - 1))
+    expected = _signature(tree)
     saved = _signature(_state(STEPS - 1))
     for name, (kind, bits) in expected.items():  # the pristine restore is the saved recon
         want = saved[name][1] if recon.get(name) is None else _bits(recon[name])
@@ -104,7 +105,7 @@ def pristine(tmp_path_factory) -> tuple[pathlib.Path, dict]:
         if bits is not None:
             np.testing.assert_array_equal(bits, want, err_msg=name)
     assert read_manifest_body(_item(root, STEPS - 1))["kind"] == "delta"
-    return root, expected
+    return root, expected, tree
 
 
 def _item(root, step: int) -> str:
@@ -307,12 +308,13 @@ def forged(rng: random.Random, root) -> str:
 # ------------------------------------------------------------------ trials
 
 
-def _restore(path: str) -> Any:
+def _restore(path: str, target: Any = None) -> Any:
     box: list = []
 
     def run() -> None:
         try:
-            box.append(("ok", ol.LossyCheckpointHandler().restore(path)))
+            args = ol.LossyRestore(item=target)
+            box.append(("ok", ol.LossyCheckpointHandler().restore(path, args)))
         except BaseException as e:  # noqa: BLE001 - judged by the caller
             box.append(("error", e))
 
@@ -356,7 +358,7 @@ KINDS = [("raw", 3), ("manifest", 5), ("link", 2), ("forged", 2), ("bomb", 1)]
 
 
 def test_fuzz_restore_returns_saved_values_or_a_lossy_error(pristine, tmp_path) -> None:
-    root, expected = pristine
+    root, expected, target = pristine
     rng = random.Random(SEED)
     weights = [w for _, w in KINDS]
     failures, counts = [], {}
@@ -381,12 +383,14 @@ def test_fuzz_restore_returns_saved_values_or_a_lossy_error(pristine, tmp_path) 
             what = bomb(rng, work)
         else:
             what = forged(rng, work)
-        outcome = _restore(_item(work, STEPS - 1))
+        with_target = rng.random() < 0.3  # also the path through target matching
+        outcome = _restore(_item(work, STEPS - 1), target if with_target else None)
         problem = _judge(outcome, expected, strict)
         status = outcome[0] if outcome[0] != "error" else type(outcome[1]).__name__
         counts[(kind, status)] = counts.get((kind, status), 0) + 1
         if problem:
-            failures.append(f"trial {trial} (seed {SEED}) {what}: {problem}")
+            failures.append(f"trial {trial} (seed {SEED}) {what}"
+                            f"{' (with target)' if with_target else ''}: {problem}")
         shutil.rmtree(work, ignore_errors=True)
         trials += 1
     summary = ", ".join(f"{k}/{s}: {n}" for (k, s), n in sorted(counts.items()))
