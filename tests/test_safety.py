@@ -422,7 +422,7 @@ def test_restore_time_is_linear_in_the_number_of_leaves(tmp_path, monkeypatch) -
 
     monkeypatch.setattr(reading, "read_region", counting)
     per_leaf = []
-    for n in (500, 2000):
+    for n in (250, 1000):
         state = {f"l{i}": (jnp.full((4,), float(i)) if i % 2 else np.float32(i))
                  for i in range(n)}
         path = tmp_path / str(n) / "0" / "default"
