@@ -235,7 +235,7 @@ def test_closed_loop_with_lossy_codecs(tmp_path, data, assert_bitwise):
         mngr.wait_until_finished()
         layout = pec.layout(state)
         paths, _, _ = flatten(state)
-        mosaic = pec._items["default"].mosaic  # noqa: SLF001
+        mosaic = pec.mosaic()
         ref = {path_str(p).removesuffix("/value"): v
                for p, v in zip(handler.reference.paths, handler.reference.values, strict=True)}
         _, _, tree = restore(tmp_path, data, step, PartialExperts(k=2, rules=RULES), policy)

@@ -108,7 +108,7 @@ def _main(out: str) -> None:
         mngr.save(step, args=ol.LossySave(st))
         mngr.wait_until_finished()
         states[step] = flat(st)
-    mosaic = pec._items["default"].mosaic  # noqa: SLF001
+    mosaic = pec.mosaic()
     spec = next(v for v in mosaic.values() if v.ndim == 3).sharding.spec  # a w_in
     res["mosaic_spec"] = list(spec) + [None] * (3 - len(spec))
     mngr.close()
@@ -157,7 +157,7 @@ def _main(out: str) -> None:
         m = ol.checkpoint_manager(root, partial_experts=ol.PartialExperts(k=2, rules=rules),
                                   policy=lc)
         got = flat(m.restore(step, args=ol.LossyRestore(same)))
-        for key, full in pec._items["default"].mosaic.items():  # noqa: SLF001
+        for key, full in pec.mosaic().items():
             group, u = key.rsplit("#", 1)
             del group
             names = sorted(n for n in got if n.endswith(("w_in", "b_in")))

@@ -66,13 +66,15 @@ class _ItemState:
     k_history: list[list[int]]
     restores: list[dict[str, Any]]
     saves: int = 0
+    pending: list[tuple] = dataclasses.field(default_factory=list)  # published, not folded
 
     def copy(self) -> _ItemState:
         """A copy whose counts can be changed (mosaic arrays are immutable, shared)."""
         return dataclasses.replace(
             self, counts={g: c.copy() for g, c in self.counts.items()},
             mosaic={k: (dict(v) if isinstance(v, dict) else v) for k, v in self.mosaic.items()},
-            k_history=[list(x) for x in self.k_history], restores=list(self.restores))
+            k_history=[list(x) for x in self.k_history], restores=list(self.restores),
+            pending=list(self.pending))
 
 
 def _unit_key(group: str, index: int) -> str:
@@ -232,6 +234,8 @@ class PartialExperts:
             return PreparedSave(args, (), self, item, step, True, {}, {}, {}, {}, None, {})
         with self._lock:
             old = self._items.get(item)
+        if old is not None:
+            self._materialize(old)
         sig = layout.signature()
         if old is None or old.layout_sig != sig:
             st = _ItemState(sig, self.k, 0, {
@@ -357,9 +361,14 @@ class PartialExperts:
                             slots, ref_values, full_shardings, st, meta)
 
     def _publish(self, prepared: PreparedSave, reference: Any) -> None:
+        """Record this save's reconstruction of the held experts (commit thread).
+
+        No device work here: several processes must run device programs in one order, so the
+        mosaic is updated on the training thread, at the next save or :meth:`mosaic`.
+        """
         st = prepared.state
         assert st is not None
-        values = {}
+        values: dict[str, Any] = {}
         if reference is not None:
             values = {path_str(p): v for p, v in zip(reference.paths, reference.values,
                                                      strict=True)}
@@ -368,18 +377,33 @@ class PartialExperts:
         for name, (key, axis, layer) in prepared.slots.items():
             recon = values.get(name)
             slot = tree_leaves[name]
-            if recon is None:
-                recon = slot
-            elif isinstance(recon, np.ndarray):
-                recon = jax.device_put(recon, slot.sharding)
-            group = key.rsplit("#", 1)[0]
-            if prepared.full:
-                sharding = prepared.shardings.get(name)
-                st.mosaic[key] = recon if sharding is None else jax.device_put(recon, sharding)
-            else:
-                st.mosaic[key] = ops.put(st.mosaic[key], recon, prepared.held[group], axis, layer)
+            st.pending.append((key, axis, layer, slot if recon is None else recon, slot,
+                               prepared.held[key.rsplit("#", 1)[0]], prepared.full,
+                               prepared.shardings.get(name)))
         with self._lock:
             self._items[prepared.item] = st
+
+    @staticmethod
+    def _materialize(st: _ItemState) -> None:
+        """Fold published reconstructions into the mosaic (training thread)."""
+        for key, axis, layer, recon, slot, held, full, sharding in st.pending:
+            if isinstance(recon, np.ndarray):
+                recon = jax.device_put(recon, slot.sharding)
+            if full:
+                st.mosaic[key] = recon if sharding is None else jax.device_put(recon, sharding)
+            else:
+                st.mosaic[key] = ops.put(st.mosaic[key], recon, held, axis, layer)
+        st.pending = []
+
+    def mosaic(self, item: str = "default") -> dict[str, Any]:
+        """Per unit (``"group#i"``), every expert's last reconstruction: what a restore of the
+        last save returns for that expert leaf (the per-expert references of the next save)."""
+        with self._lock:
+            st = self._items.get(item)
+        if st is None:
+            return {}
+        self._materialize(st)
+        return dict(st.mosaic)
 
     # ------------------------------------------------------------------ restore
 
