@@ -109,17 +109,31 @@ def validate_item(item: Any) -> tuple[list[StoredPath], list[Any], list[str]]:
 class LossySave(ocp.args.CheckpointArgs):
     """Save ``item`` (any pytree of arrays and scalars) through the lossy handler.
 
+    ``save_args``: Orbax's per-leaf ``ocp.SaveArgs`` tree (e.g. Flax's
+    ``save_args_from_target``); ``dtype`` casts the leaf before it is saved, as in Orbax.
     ``force_base=True`` writes a full lossless snapshot regardless of the base interval.
     The tree is validated here, before Orbax starts the save.
     """
 
     item: Any
+    save_args: Any = None
     force_base: bool = False
     #: partial experts (``checkpoint_manager(partial_experts=...)``): tokens routed to each
     #: expert since the previous save, per group (``{"blocks/0/moe": int [E] or [L, E]}``)
     expert_tokens: Any = None
+    custom_metadata: Any = None
 
     def __post_init__(self) -> None:
+        if self.custom_metadata is not None:
+            raise InvalidArgumentError(
+                "LossySave(custom_metadata=...) is not stored by the lossy handler; pass it to "
+                "CheckpointManager.save(step, ..., custom_metadata=...) (read back with "
+                "mngr.metadata(step).custom_metadata)"
+            )
+        if self.save_args is not None:
+            from orbax_lossy.engine.targets import apply_save_args
+
+            self.item = apply_save_args(self.item, self.save_args)
         validate_item(self.item)
         if self.expert_tokens is not None:
             from orbax_lossy.experts.accounting import validate_tokens
@@ -129,12 +143,44 @@ class LossySave(ocp.args.CheckpointArgs):
 
 @dataclasses.dataclass
 class LossyRestore(ocp.args.CheckpointArgs):
-    """Restore a checkpoint. Every field is optional.
+    """Restore a checkpoint; every field is optional and means what it means in Orbax.
 
-    ``item``: a target tree (arrays, ``jax.ShapeDtypeStruct`` with ``sharding``, or the saved
-    state itself) whose structure, dtypes and shardings the result takes; leaves present on
-    disk but absent from ``item`` are skipped. Without it, nested dicts are returned, device
-    leaves on the first local device (single process) or replicated (multi-process).
+    ``item``: a target tree (arrays, ``jax.ShapeDtypeStruct`` with ``sharding``, numpy
+    arrays, or the saved state itself) whose structure, dtypes and shardings the result takes;
+    ``ocp.PLACEHOLDER`` leaves are skipped. ``restore_args``: Orbax's per-leaf
+    ``ocp.RestoreArgs`` / ``ocp.ArrayRestoreArgs`` (sharding, dtype, ``restore_type``), e.g.
+    from Flax's ``restore_args_from_target``. ``partial_restore=True`` allows a target that
+    holds only some of the stored leaves (without it that is an error, as in Orbax). Without
+    ``item``, nested dicts are returned with the saved shardings where their devices exist.
+    ``transforms`` / ``legacy_transform_fn`` (tree surgery during restore) and
+    ``support_layout`` are not supported and raise :class:`InvalidArgumentError`.
     """
 
     item: Any = None
+    restore_args: Any = None
+    partial_restore: bool = False
+    strict: bool = True
+    fallback_sharding: Any = None
+    transforms: Any = None
+    transforms_default_to_original: bool = True
+    legacy_transform_fn: Any = None
+    support_layout: bool = False
+
+    def __post_init__(self) -> None:
+        if self.transforms is not None or self.legacy_transform_fn is not None:
+            raise InvalidArgumentError(
+                "LossyRestore(transforms=...) is not supported: the lossy restore does not "
+                "rewrite trees; restore the stored tree (a subset with partial_restore=True) "
+                "and transform it in Python"
+            )
+        if self.support_layout:
+            raise InvalidArgumentError(
+                "LossyRestore(support_layout=True) is not supported: the lossy format stores "
+                "no device memory layouts"
+            )
+
+    def target(self) -> Any:
+        """The tree the restore goes onto (``item`` refined by ``restore_args``)."""
+        from orbax_lossy.engine.targets import merge_restore_args
+
+        return merge_restore_args(self.item, self.restore_args)

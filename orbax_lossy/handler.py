@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from typing import Any
 
 import jax
@@ -20,21 +19,20 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_lossy.args import LossyRestore, LossySave, validate_item
-from orbax_lossy.engine import device, save
 from orbax_lossy.engine import restore as restoring
+from orbax_lossy.engine import save
 from orbax_lossy.engine.reference import (
     ProtectedRoots,
     Reference,
-    agree_across_processes,
-    delta_signature,
-    usable_reference,
+    ReferenceStore,
+    choose_reference,
+    restored_reference,
 )
 from orbax_lossy.errors import InvalidArgumentError
 from orbax_lossy.format import lock as writer_lock
 from orbax_lossy.format.manifest import DEFAULT_CHUNK_BYTES, read_manifest
-from orbax_lossy.format.steps import final_path, root_key, root_of, step_of
+from orbax_lossy.format.steps import final_path
 from orbax_lossy.policy import LeafPolicy, Policy
-from orbax_lossy.treepaths import path_str
 
 TYPESTR = "orbax_lossy.LossyCheckpointHandler"
 
@@ -53,12 +51,9 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
       primary_host: the process that writes the manifest (match the manager's
         ``MultiprocessingOptions.primary_host``).
       encode_threads: threads for entropy coding in the background commit.
-      unmanaged_deltas: take deltas in any directory, even where no
-        :class:`~orbax_lossy.ChainPreservationPolicy` keeps the steps they depend on. Off by
-        default: Orbax's own retention (``max_to_keep``, ``LatestN``, ...) deletes steps that
-        later deltas need, so outside a chain-aware manager every save is a self-contained
-        base (with a one-time warning). Turn it on only when nothing deletes old steps (a bare
-        ``ocp.Checkpointer``, your own retention that keeps dependencies).
+      unmanaged_deltas: take deltas even where no ChainPreservationPolicy keeps the steps they
+        depend on (by default such saves are self-contained bases, with a one-time warning;
+        see ``docs/retention.md``). Only when nothing deletes old steps.
       partial_experts: an :class:`~orbax_lossy.PartialExperts` (MoE): each save stores all
         non-expert state and K experts per MoE layer (``docs/partial_experts.md``).
     """
@@ -90,13 +85,9 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         self.unmanaged_deltas = bool(unmanaged_deltas)
         self.partial_experts = partial_experts  # hooks: prepare_save, publish, restore
         self._roots = ProtectedRoots()
-        self._references: dict[str, Reference] = {}  # by item name: one chain per item
-        self._last_item: str | None = None
-        self._dependencies: dict[tuple[str, int], dict[str, set[int]]] = {}
-        self._lock = threading.Lock()
+        self._store = ReferenceStore()  # one chain per item name
         self.last_restore_bytes_read = 0
         self._last_save_stats: dict[str, Any] = {}
-        self._pending: dict[str, threading.Event] = {}  # by item: reference published
 
     @classmethod
     def typestr(cls) -> str:
@@ -106,32 +97,15 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
     @property
     def reference(self) -> Reference | None:
         """The reference of the item saved or restored last (see :meth:`reference_for`)."""
-        self._await_reference(self._last_item)
-        return None if self._last_item is None else self._references.get(self._last_item)
+        return self._store.get(self._store.last_item)
 
     def reference_for(self, item_name: str) -> Reference | None:
         """What the next delta of item ``item_name`` is encoded against."""
-        self._await_reference(item_name)
-        return self._references.get(item_name)
-
-    def _set_reference(self, ref: Reference) -> None:
-        name = os.path.basename(ref.item_dir)
-        self._references[name] = ref
-        self._last_item = name
-
-    # ------------------------------------------------------------------ chains and retention
+        return self._store.get(item_name)
 
     def dependencies_of(self, root: str, step: int) -> dict[str, set[int]]:
         """Per item saved under ``root`` at ``step``, the steps it needs (KeyError: unknown)."""
-        with self._lock:
-            return {k: set(v) for k, v in self._dependencies[(root_key(root), step)].items()}
-
-    def _record_dependencies(self, item_dir: str, steps: set[int]) -> None:
-        step = step_of(item_dir)
-        if step is not None:
-            with self._lock:
-                items = self._dependencies.setdefault((root_key(root_of(item_dir)), step), {})
-                items[os.path.basename(item_dir)] = steps
+        return self._store.dependencies_of(root, step)
 
     def protect_chains(self, root: os.PathLike | str) -> None:
         """Allow deltas under ``root``: its retention keeps every step a kept step needs.
@@ -146,23 +120,14 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def reset_reference(self) -> None:
         """Forget every reference: the next save of each item is a full base."""
-        self._references.clear()
+        self._store.clear()
+
+    def close(self) -> None:
+        """Release this handler's writer locks (Orbax calls it from ``CheckpointManager.close``)."""
+        writer_lock.release(self)
+        super().close()
 
     # ------------------------------------------------------------------ save
-
-    def _choose_reference(self, item_dir: str, paths, signature, force_base,
-                          pec: Any = None) -> Reference | None:
-        held = self._references.get(os.path.basename(item_dir))
-        if pec is not None:  # partial experts: each held expert against its own reference
-            held = pec.reference(held, paths, signature)
-        ref = usable_reference(held, item_dir, paths, signature,
-                               force_base=force_base, base_interval=self.base_interval)
-        if ref is not None and not self.chains_protected(root_of(item_dir)):
-            self._roots.warn_once(root_of(item_dir))
-            ref = None
-        if jax.process_count() > 1:
-            ref = agree_across_processes(ref, held, self.primary_host)
-        return ref
 
     async def async_save(
         self, directory: epath.Path, args: LossySave
@@ -180,25 +145,27 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         item = os.path.basename(item_dir)
         pec = None
         if self.partial_experts is not None:  # partial experts: save the held experts only
-            self._await_reference(item)
+            self._store.wait(item)
             pec = self.partial_experts.prepare_save(item_dir, args)
             args = pec.args
         paths, leaves, storages = validate_item(args.item)
         prepared, key_impls = save.prepare_leaves(leaves, storages)
-        signature = tuple(
-            delta_signature(s == "device" and impl is None, np.shape(x), x.dtype)
-            for x, s, impl in zip(prepared, storages, key_impls, strict=True)
-        )
+        signature = save.signature(prepared, storages, key_impls)
         # 2. Base or delta: against the previous save's reference, once it is published.
-        self._await_reference(item)
-        ref = self._choose_reference(item_dir, paths, signature, args.force_base, pec)
+        self._store.wait(item)
+        held = self._store.get(item, wait=False)
+        if pec is not None:  # partial experts: each held expert against its own reference
+            held = pec.reference(held, paths, signature)
+        ref = choose_reference(held, item_dir, paths, signature, force_base=args.force_base,
+                               base_interval=self.base_interval, roots=self._roots,
+                               unmanaged=self.unmanaged_deltas, primary_host=self.primary_host)
         header = save.make_header(
             item_dir=item_dir, ref=ref, base_interval=self.base_interval,
             chunk_bytes=self.chunk_bytes, primary_host=self.primary_host,
             per_leaf=bool(self.policy.plan_varies),
             extra_dependencies=pec.extra_dependencies if pec is not None else (),
         )
-        self._record_dependencies(item_dir, set(header.depends_on))
+        self._store.record_dependencies(item_dir, set(header.depends_on))
         # 3. Copies the handler owns (the caller may donate its arrays once save() returns).
         request = save.SaveRequest(
             item_dir=item_dir, paths=paths, values=save.secure_copies(prepared, storages),
@@ -208,8 +175,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         # 4. Several processes: dispatch the device programs here, in one order everywhere.
         dispatched = save.dispatch_encode(request) if jax.process_count() > 1 else None
         # 5. The commit future: encode, publish the next reference, write the files.
-        published = self._pending[item] = threading.Event()
-        self._last_item = item
+        published = self._store.begin(item)
         directory_str, process = os.fspath(directory), jax.process_index()
 
         async def commit() -> None:
@@ -217,9 +183,9 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
                 encoded = save.encode_save(request, dispatched)
                 self._publish(request, signature, encoded)
                 if pec is not None:
-                    pec.publish(self._references.get(item))
+                    pec.publish(self._store.get(item, wait=False))
             except BaseException:
-                self._references.pop(item, None)  # a failed save: the next one is a base
+                self._store.drop(item)  # a failed save: the next one is a base
                 raise
             finally:
                 published.set()
@@ -235,31 +201,19 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         if self.reference_on_host:
             values = [np.asarray(r) if r is not None else None for r in values]
         header = encoded.header
-        self._set_reference(Reference(request.item_dir, header.step, header.save_id,
-                                      header.chain_length, tuple(request.paths), signature,
-                                      values))
-        self._last_save_stats = {
-            "kind": header.save_type,
-            "leaves": {path_str(job.entry.path): {"codec": job.entry.codec_config["id"],
-                                                  "rel_error": job.entry.rel_error}
-                       for job in encoded.jobs},
-        }
+        self._store.put(Reference(request.item_dir, header.step, header.save_id,
+                                  header.chain_length, tuple(request.paths), signature, values))
+        self._last_save_stats = encoded.stats()
 
     def _write_files(self, directory: str, process: int, encoded: save.EncodedSave) -> None:
         """Entropy-code and write this process's files (commit thread; releases the GIL)."""
         is_primary = process == self.primary_host
         save.write_process_files(directory, process, encoded, is_primary, self.encode_threads)
 
-    def _await_reference(self, item: str | None) -> None:
-        """Wait until the save in flight for ``item`` (if any) has published its reference."""
-        pending = self._pending.get(item) if item is not None else None
-        if pending is not None:
-            pending.wait()
-
     @property
     def last_save_stats(self) -> dict[str, Any]:
         """Kind of the last save and, per leaf, its codec and relative error."""
-        self._await_reference(self._last_item)
+        self._store.wait(self._store.last_item)
         return self._last_save_stats
 
     def finalize(self, directory: epath.Path) -> None:
@@ -287,36 +241,25 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         args = args if args is not None else LossyRestore()
         if not isinstance(args, LossyRestore):
             raise InvalidArgumentError(f"expected LossyRestore args, got {type(args).__name__}")
-        self._await_reference(os.path.basename(final_path(os.fspath(directory))))
+        self._store.wait(os.path.basename(final_path(os.fspath(directory))))
         if self.partial_experts is not None:  # partial experts: each from its newest holder
             tree = self.partial_experts.restore(self, directory, args)
             if tree is not NotImplemented:
                 return tree
-        restored = restoring.restore_item(directory, args.item, self.encode_threads)
+        target = args.target()
+        if target is not None and not args.partial_restore:
+            restoring.check_complete_target(directory, target)
+        restored = restoring.restore_item(directory, target, self.encode_threads)
         self.last_restore_bytes_read = restored.bytes_read
         if restored.complete:
             self._adopt_reference(restored)
         return restored.tree
 
     def _adopt_reference(self, restored: restoring.RestoredItem) -> None:
-        leaves = restored.manifest.leaves
-        copies = device.copy_tree(
-            [v if leaf.storage == "device" else None
-             for v, leaf in zip(restored.values, leaves, strict=True)]
-        )
-        if self.reference_on_host:
-            copies = [np.asarray(v) if v is not None else None for v in copies]
-        signature = tuple(
-            delta_signature(leaf.storage == "device" and not leaf.key_impl, leaf.shape,
-                            leaf.dtype)
-            for leaf in leaves
-        )
-        header = restored.manifest.header
-        self._set_reference(Reference(
-            restored.item_dir, header.step, header.save_id, header.chain_length,
-            tuple(leaf.path for leaf in leaves), signature, copies,
-        ))
-        self._record_dependencies(restored.item_dir, set(header.depends_on))
+        """Make a complete restore the reference of its item's next save."""
+        self._store.put(restored_reference(restored, self.reference_on_host))
+        self._store.record_dependencies(restored.item_dir,
+                                        set(restored.manifest.header.depends_on))
 
 
 ocp.args.register_with_handler(LossyCheckpointHandler, for_save=True)(LossySave)

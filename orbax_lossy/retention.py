@@ -91,11 +91,34 @@ def dependencies_from_disk(
         items = [step_path / n for n in item_names if (step_path / n / MANIFEST_NAME).exists()]
     deps: set[int] = set()
     for item in items:
-        try:
-            manifest = read_manifest(os.fspath(item))
-        except (LossyError, OSError):
-            continue
-        deps.update(manifest.header.depends_on)
+        deps.update(_manifest_dependencies(os.fspath(item)))
+    return deps
+
+
+# A committed manifest never changes: its dependencies are read once per file version, not
+# at every save (retention runs on Orbax's save path; re-parsing every kept step's manifest
+# there cost more than the whole lossy save).
+_DEPENDENCY_CACHE: dict[tuple[str, int, int], tuple[int, ...]] = {}
+_DEPENDENCY_CACHE_SIZE = 4096
+
+
+def _manifest_dependencies(item_dir: str) -> tuple[int, ...]:
+    """``depends_on`` of one item's manifest (cached by path, size and mtime)."""
+    try:
+        st = os.stat(os.path.join(item_dir, MANIFEST_NAME))
+        key = (item_dir, st.st_size, st.st_mtime_ns)
+    except OSError:  # not a local path (gs://, s3://): read it every time
+        key = None
+    if key is not None and key in _DEPENDENCY_CACHE:
+        return _DEPENDENCY_CACHE[key]
+    try:
+        deps = read_manifest(item_dir).header.depends_on
+    except (LossyError, OSError):
+        return ()  # unreadable: its step is not restorable anyway
+    if key is not None:
+        if len(_DEPENDENCY_CACHE) >= _DEPENDENCY_CACHE_SIZE:
+            _DEPENDENCY_CACHE.pop(next(iter(_DEPENDENCY_CACHE)))
+        _DEPENDENCY_CACHE[key] = deps
     return deps
 
 

@@ -271,7 +271,10 @@ class LC(CodecBase):
         dtype: Any,
     ) -> jax.Array:
         wd = work_dtype(dtype)
+        if self.needs_reference and reference is None:
+            raise CodecError(f"{self}: a delta needs its reference to decode")
         if self.domain == "log":
+            assert reference is not None
             ref = reference.astype(wd)
             scaled = ref * side["factor"].astype(wd)[fields["sym"].astype(jnp.int32)]
             scaled = jnp.minimum(scaled, jnp.asarray(float(jnp.finfo(dtype).max), wd))
@@ -280,6 +283,7 @@ class LC(CodecBase):
         reps = side["rep"].astype(wd)
         if self.mode == "direct":
             return dequantize(fields["sym"], reps).astype(dtype)
+        assert reference is not None
         return (reference.astype(wd) + dequantize(fields["sym"], reps)).astype(dtype)
 
     # ------------------------------------------------------------------ pricing

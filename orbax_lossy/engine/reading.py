@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from orbax_lossy.errors import FormatError, LossyError
+from orbax_lossy.errors import FormatError, InvalidArgumentError, LossyError
 from orbax_lossy.format import grid
 from orbax_lossy.format.manifest import LeafEntry
 
@@ -39,17 +39,38 @@ def cast_to_target(value: Any, target: Any, leaf: LeafEntry) -> Any:
     if storage == "bool":
         return bool(value)
     dtype = getattr(target, "dtype", None)
-    if (
-        target is not None
-        and dtype is not None
-        and storage == "device"
-        and not leaf.key_impl
-        and np.dtype(dtype) != value.dtype
+    if dtype is not None and storage in ("device", "numpy") and not leaf.key_impl:
+        value = _cast(value, np.dtype(dtype), leaf)
+    as_numpy = getattr(target, "as_numpy", False) or isinstance(target, np.ndarray)
+    if as_numpy:
+        return np.asarray(value)
+    if storage == "numpy" and (
+        isinstance(target, jax.Array | jax.ShapeDtypeStruct)
+        or getattr(target, "sharding", None) is not None
     ):
-        return value.astype(dtype)
-    if storage == "numpy" and isinstance(target, jax.Array | jax.ShapeDtypeStruct):
-        return jax.device_put(value, target_sharding(target))
+        on_device = jax.device_put(value, target_sharding(target))
+        if on_device.dtype != value.dtype:
+            raise _narrowed(leaf, value.dtype)
+        return on_device
     return value
+
+
+def _narrowed(leaf: LeafEntry, dtype: np.dtype) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"leaf {leaf.name!r}: restoring {dtype} as a jax.Array would narrow it (JAX 64-bit "
+        "mode is off); enable it (jax.config.update('jax_enable_x64', True)) or restore the "
+        "leaf as numpy (a numpy target, or RestoreArgs(restore_type=np.ndarray))"
+    )
+
+
+def _cast(value: Any, dtype: np.dtype, leaf: LeafEntry) -> Any:
+    """``value`` as ``dtype``; never silently narrower than asked for."""
+    if value.dtype == dtype:
+        return value
+    out = value.astype(dtype)
+    if np.dtype(out.dtype) != dtype:
+        raise _narrowed(leaf, dtype)
+    return out
 
 
 def pieces_by_field(pieces) -> dict[str, list]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from orbax_lossy.errors import ChainError
 from orbax_lossy.format.manifest import MANIFEST_NAME
-from orbax_lossy.format.steps import root_key, root_of
+from orbax_lossy.format.steps import root_key, root_of, step_of
 from orbax_lossy.treepaths import StoredPath
 
 Signature = tuple[tuple[tuple[int, ...], str] | None, ...]
@@ -77,6 +77,30 @@ def usable_reference(
     # The reference must have been committed (a failed save leaves no manifest).
     if not os.path.exists(os.path.join(ref.item_dir, MANIFEST_NAME)):
         return None
+    return ref
+
+
+def choose_reference(
+    held: Reference | None,
+    item_dir: str,
+    paths: Sequence[StoredPath],
+    signature: Signature,
+    *,
+    force_base: bool,
+    base_interval: int,
+    roots: ProtectedRoots,
+    unmanaged: bool,
+    primary_host: int,
+) -> Reference | None:
+    """The reference this save is a delta against, or None for a base (agreed by all
+    processes; only under a root whose retention keeps chains, unless ``unmanaged``)."""
+    ref = usable_reference(held, item_dir, paths, signature, force_base=force_base,
+                           base_interval=base_interval)
+    if ref is not None and not (unmanaged or roots.protected(root_of(item_dir))):
+        roots.warn_once(root_of(item_dir))
+        ref = None
+    if jax.process_count() > 1:
+        ref = agree_across_processes(ref, held, primary_host)
     return ref
 
 
@@ -143,3 +167,81 @@ class ProtectedRoots:
             UserWarning,
             stacklevel=4,
         )
+
+
+class ReferenceStore:
+    """A handler's references (one chain per item name), saves in flight, and dependencies.
+
+    A save publishes its reconstruction from the commit thread; everything that reads a
+    reference (the next save of the item, a restore, tests) first waits for that.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._references: dict[str, Reference] = {}
+        self._pending: dict[str, threading.Event] = {}
+        self._dependencies: dict[tuple[str, int], dict[str, set[int]]] = {}
+        self.last_item: str | None = None
+
+    def wait(self, item: str | None) -> None:
+        """Block until the save in flight for ``item`` (if any) has published."""
+        pending = self._pending.get(item) if item is not None else None
+        if pending is not None:
+            pending.wait()
+
+    def get(self, item: str | None, wait: bool = True) -> Reference | None:
+        """The reference of ``item`` (after its save in flight, unless ``wait=False``)."""
+        if wait:
+            self.wait(item)
+        return None if item is None else self._references.get(item)
+
+    def begin(self, item: str) -> threading.Event:
+        """Mark a save of ``item`` in flight; set the returned event once it has published."""
+        event = self._pending[item] = threading.Event()
+        self.last_item = item
+        return event
+
+    def put(self, ref: Reference) -> None:
+        """Make ``ref`` the reference of its item."""
+        name = os.path.basename(ref.item_dir)
+        self._references[name] = ref
+        self.last_item = name
+
+    def drop(self, item: str) -> None:
+        """Forget ``item``'s reference (a failed save: the next one is a base)."""
+        self._references.pop(item, None)
+
+    def clear(self) -> None:
+        """Forget every reference."""
+        self._references.clear()
+
+    def record_dependencies(self, item_dir: str, steps: set[int]) -> None:
+        """Remember which steps the save (or restore) of ``item_dir`` depends on."""
+        step = step_of(item_dir)
+        if step is not None:
+            with self._lock:
+                items = self._dependencies.setdefault((root_key(root_of(item_dir)), step), {})
+                items[os.path.basename(item_dir)] = set(steps)
+
+    def dependencies_of(self, root: str, step: int) -> dict[str, set[int]]:
+        """Per item saved under ``root`` at ``step``, the steps it needs (KeyError: unknown)."""
+        with self._lock:
+            return {k: set(v) for k, v in self._dependencies[(root_key(root), step)].items()}
+
+
+def restored_reference(restored: Any, on_host: bool) -> Reference:
+    """The reference a complete restore leaves (copies the handler owns)."""
+    from orbax_lossy.engine.device import copy_tree
+
+    leaves = restored.manifest.leaves
+    values = copy_tree([v if leaf.storage == "device" else None
+                        for v, leaf in zip(restored.values, leaves, strict=True)])
+    if on_host:
+        values = [np.asarray(v) if v is not None else None for v in values]
+    signature = tuple(
+        delta_signature(leaf.storage == "device" and not leaf.key_impl, leaf.shape, leaf.dtype)
+        for leaf in leaves
+    )
+    header = restored.manifest.header
+    return Reference(restored.item_dir, header.step, header.save_id, header.chain_length,
+                     tuple(leaf.path for leaf in leaves), signature, values)

@@ -28,6 +28,8 @@ from orbax_lossy.format.manifest import HOST_STORAGES, LeafEntry, Manifest
 from orbax_lossy.format.steps import root_of
 from orbax_lossy.treepaths import StoredPath, build_nested, flatten, path_str
 
+PLACEHOLDER = ...  # ocp.PLACEHOLDER: a target leaf that is not restored
+
 #: what decoding damaged (but checksum-valid or CRC-recomputed) data can raise besides our
 #: own errors; at the boundary of decoding stored data these become FormatErrors with context
 _DAMAGE = (TypeError, ValueError, KeyError, IndexError, MemoryError, AssertionError,
@@ -215,16 +217,20 @@ def _first_needed_links(per_link: list[list[LeafEntry]], n: int) -> list[int]:
 
 def _match_targets(
     item_dir: str, manifest: Manifest, target: Any
-) -> tuple[list[int], list[Any], Any]:
-    """Selected stored leaves, their targets and the target treedef (None: nested dicts)."""
+) -> tuple[list[int | None], list[Any], Any]:
+    """Per target leaf, the stored leaf it takes (None for ``ocp.PLACEHOLDER``: skipped), the
+    target leaves and the target treedef (None: no target, every stored leaf, nested dicts)."""
     if target is None:
         return list(range(len(manifest.leaves))), [None] * len(manifest.leaves), None
     paths, leaves, treedef = flatten(target)
     by_name: dict[str, int | None] = {}
     for j, leaf in enumerate(manifest.leaves):
         by_name[leaf.name] = None if leaf.name in by_name else j  # None: ambiguous
-    selected = []
-    for p in paths:
+    selected: list[int | None] = []
+    for p, leaf in zip(paths, leaves, strict=True):
+        if leaf is PLACEHOLDER:
+            selected.append(None)
+            continue
         i: int | None = manifest.index.get(p)
         if i is None:
             i = by_name.get(path_str(p))  # dict keys and attributes alike, as Orbax does
@@ -234,6 +240,8 @@ def _match_targets(
             )
         selected.append(i)
     for p, leaf, i in zip(paths, leaves, selected, strict=True):
+        if i is None:
+            continue
         stored = manifest.leaves[i].shape
         shape = getattr(leaf, "shape", None)
         dtype = getattr(leaf, "dtype", None)
@@ -246,9 +254,33 @@ def _match_targets(
         if shape is not None and tuple(shape) != stored:
             raise InvalidArgumentError(
                 f"leaf {path_str(p)!r}: target shape {tuple(shape)} != stored shape {stored} "
-                f"in {item_dir}"
+                f"in {item_dir} (the lossy handler neither pads nor truncates)"
             )
     return selected, leaves, treedef
+
+
+def check_complete_target(item_dir: os.PathLike | str, target: Any) -> None:
+    """Raise unless ``target`` takes (or explicitly skips) every stored leaf, as Orbax does."""
+    missing = unrestored_leaves(item_dir, target)
+    if missing:
+        raise InvalidArgumentError(
+            f"the restore target lacks {len(missing)} stored leaves of {os.fspath(item_dir)} "
+            f"(e.g. {missing[:3]}); pass LossyRestore(..., partial_restore=True) to restore "
+            "only the target's leaves"
+        )
+
+
+def unrestored_leaves(item_dir: os.PathLike | str, target: Any) -> list[str]:
+    """Stored leaves a restore onto ``target`` would leave out (for ``partial_restore``)."""
+    from orbax_lossy.format.manifest import read_manifest
+
+    manifest = read_manifest(item_dir)
+    selected, _, _ = _match_targets(os.fspath(item_dir), manifest, target)
+    taken = {i for i in selected if i is not None}
+    placeholders = {path_str(p) for p, leaf in zip(*flatten(target)[:2], strict=True)
+                    if leaf is PLACEHOLDER}
+    return [leaf.name for j, leaf in enumerate(manifest.leaves)
+            if j not in taken and leaf.name not in placeholders]
 
 
 def _decode_link(
@@ -319,7 +351,9 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int) -> Rest
     with stored_data(item_dir):
         chain = walk_chain(item_dir)
     final = chain[-1][1]
-    selected, targets, treedef = _match_targets(item_dir, final, target)
+    matched, all_targets, treedef = _match_targets(item_dir, final, target)
+    selected = [i for i in matched if i is not None]  # PLACEHOLDER targets are skipped
+    targets = [t for i, t in zip(matched, all_targets, strict=True) if i is not None]
     chosen = [final.leaves[i] for i in selected]
     _check_budget(item_dir, final, chosen, targets)
     per_link = _link_leaves(chain, chosen)
@@ -348,7 +382,9 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int) -> Rest
         with stored_data(_where(final_dir, final)):
             tree = build_nested([leaf.path for leaf in chosen], out)
     else:
-        tree = jax.tree_util.tree_unflatten(treedef, out)
+        restored = iter(out)
+        tree = jax.tree_util.tree_unflatten(
+            treedef, [PLACEHOLDER if i is None else next(restored) for i in matched])
     by_stored: list[Any] = [None] * len(final.leaves)
     for k, i in enumerate(selected):
         by_stored[i] = values[k]

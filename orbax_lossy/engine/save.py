@@ -31,7 +31,7 @@ import numpy as np
 from orbax_lossy.codecs.base import Codec, codec_config
 from orbax_lossy.codecs.exact import Exact
 from orbax_lossy.engine import device
-from orbax_lossy.engine.reference import Reference
+from orbax_lossy.engine.reference import Reference, Signature, delta_signature
 from orbax_lossy.errors import FormatError, LossyError
 from orbax_lossy.format import envelope, grid, payload
 from orbax_lossy.format.manifest import (
@@ -64,6 +64,23 @@ class EncodedSave:
     jobs: list[LeafJob]
     header: Header
     reconstruction: list[Any]  # per leaf: the next reference value, or None
+
+    def stats(self) -> dict[str, Any]:
+        """Base or delta, and per leaf the codec chosen and the relative error measured."""
+        return {
+            "kind": self.header.save_type,
+            "leaves": {job.entry.name: {"codec": job.entry.codec_config["id"],
+                                        "rel_error": job.entry.rel_error} for job in self.jobs},
+        }
+
+
+def signature(prepared: Sequence[Any], storages: Sequence[str],
+              key_impls: Sequence[str | None]) -> Signature:
+    """What must not change between the reference and this save for a delta."""
+    return tuple(
+        delta_signature(s == "device" and impl is None, np.shape(x), x.dtype)
+        for x, s, impl in zip(prepared, storages, key_impls, strict=True)
+    )
 
 
 def save_id() -> str:

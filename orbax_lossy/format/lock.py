@@ -17,7 +17,6 @@ network filesystems, local to one machine: it stops accidents, not a determined 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -111,7 +110,6 @@ def hold(handler: Any, item_dir: os.PathLike | str, primary: bool = True) -> Non
         _by_handler.setdefault(owner, set()).add((key, name))
     if first:
         weakref.finalize(handler, _release_roots, owner)
-        _release_on_close(handler, owner)
 
 
 def _take(key: str, owner: int) -> _Held:
@@ -150,21 +148,3 @@ def held_roots(handler: Any) -> set[str]:
         return {root for root, _ in _by_handler.get(id(handler), set())}
 
 
-def _release_on_close(handler: Any, owner: int) -> None:
-    """Make ``handler.close()`` (called by Orbax's ``CheckpointManager.close``) release.
-
-    A handler class that calls :func:`release` in its own ``close`` sets
-    ``releases_writer_lock = True`` and is left alone.
-    """
-    if getattr(type(handler), "releases_writer_lock", False):
-        return
-    ref = weakref.ref(handler)
-    cls_close = type(handler).close
-
-    def close(*args: Any, **kwargs: Any) -> Any:
-        _release_roots(owner)
-        h = ref()
-        return None if h is None else cls_close(h, *args, **kwargs)
-
-    with contextlib.suppress(AttributeError):  # a slotted handler: released on GC only
-        handler.close = close
