@@ -462,6 +462,7 @@ def candidate_policies() -> dict[str, Any]:
         "nu LC3 log": ol.LeafPolicy.create(defaults={"second_moment": ol.LC(3, domain="log")}),
         "nu LC2 lin": ol.LeafPolicy.create(defaults={"second_moment": ol.LC(2)}),
         "p LC2": ol.LeafPolicy.create(defaults={"param": ol.LC(2)}),
+        "p LC3": ol.LeafPolicy.create(defaults={"param": ol.LC(3)}),
         "p LC4": ol.LeafPolicy.create(defaults={"param": ol.LC(4)}),
         "p Cl2 delta": ol.LeafPolicy.create(defaults={"param": ol.Cluster(2, mode="delta")}),
         "p Cl3 delta": ol.LeafPolicy.create(defaults={"param": ol.Cluster(3, mode="delta")}),
@@ -491,8 +492,41 @@ DEFAULT_POLICIES = ("default", "params only")
 #: ``--levers``: the levers measured for docs/whole_state.md
 LEVER_POLICIES = (
     "default", "default exact-bases", "mu LC1 direct", "mu LC2 direct", "mu LC3 direct",
-    "nu LC3 log", "nu LC2 lin", "p LC2", "p LC4", "LC3+LC2mom", "adaptive",
+    "nu LC3 log", "nu LC2 lin", "p LC2", "p LC3", "p LC4", "p Cl2 delta", "LC3+LC2mom", "adaptive",
 )
+
+
+def context_entropy(work: Workload, steps: int, every: int, bits: int = 3) -> None:
+    """Prototype (not in the format): LC symbols of closed-loop parameter deltas, order-0
+    entropy vs the entropy conditioned on the previous save's symbol at the same position
+    (what a context-modelling entropy coder could reach)."""
+    from orbax_lossy.codecs.base import order0_entropy
+    from orbax_lossy.codecs.lc import dequantize, promote
+
+    _, kept = train(work, steps, every)
+    states = [kept[k] for k in sorted(kept)]
+    refs = [jnp.asarray(x) for x in jax.tree.leaves(states[0].params)]
+    prev: list[np.ndarray | None] = [None] * len(refs)
+    h0_bits = h1_bits = n_total = 0.0
+    for st in states[1:]:
+        for i, v in enumerate(jax.tree.leaves(st.params)):
+            sym, reps = promote(v - refs[i], bits)
+            refs[i] = refs[i] + dequantize(sym, reps)
+            cur = np.asarray(sym).reshape(-1).astype(np.int64)
+            n = cur.size
+            h0_bits += n * order0_entropy(np.bincount(cur, minlength=2**bits))
+            if prev[i] is not None:
+                joint = np.bincount(prev[i] * 2**bits + cur, minlength=4**bits)
+                marg = np.bincount(prev[i], minlength=2**bits)
+                h1_bits += n * (order0_entropy(joint) - order0_entropy(marg))
+            else:
+                h1_bits += n * order0_entropy(np.bincount(cur, minlength=2**bits))
+            prev[i] = cur
+            n_total += n
+    print(f"context modelling prototype, {work.name}, LC({bits}) parameter deltas over "
+          f"{len(states) - 1} saves: order-0 {h0_bits / n_total:.3f} bits/element, "
+          f"order-1 (previous save's symbol) {h1_bits / n_total:.3f} bits/element "
+          f"({h0_bits / max(h1_bits, 1e-9):.2f}x smaller)", flush=True)
 
 
 def getattr_path(state: train_state.TrainState, what: str) -> Any:
@@ -529,6 +563,8 @@ def main() -> None:
     parser.add_argument("--levers", action="store_true",
                         help="the levers of docs/whole_state.md: " + ", ".join(LEVER_POLICIES))
     parser.add_argument("--full", action="store_true", help="every known policy")
+    parser.add_argument("--context-entropy", action="store_true",
+                        help="only the context-modelling prototype on the digits MLP")
     args = parser.parse_args()
     if args.quick:
         args.steps = args.steps or 60
@@ -551,6 +587,9 @@ def main() -> None:
     args.intervals = [int(i) for i in (args.base_interval or "10").split(",")]
     only = set((args.only or "digits,charlm,cnn").split(","))
     t0 = time.perf_counter()
+    if args.context_entropy:
+        context_entropy(digits_workload(args.hidden, args.steps), args.steps, args.every)
+        return
     root = tempfile.mkdtemp(prefix="orbax_lossy_whole_")
     try:
         if "digits" in only:

@@ -13,7 +13,7 @@ from flax import nnx
 from flax.training import train_state
 
 import orbax_lossy as ol
-from orbax_lossy.policy import leaf_roles, path_roles
+from orbax_lossy.policy import DEFAULT_ROLE_CODECS, leaf_roles, path_roles
 from orbax_lossy.treepaths import flatten, path_str
 
 
@@ -29,6 +29,9 @@ def path_roles_by_path(tree) -> dict[str, str]:
     dtypes = [np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype for x in leaves]
     return {path_str(p): r for p, r in zip(paths, path_roles(paths, dtypes), strict=True)}
 
+
+#: codec id of the default policy's parameter codec on delta saves
+PARAM_CODEC = DEFAULT_ROLE_CODECS["param"].codec_id
 
 # ----------------------------------------------------------------------------- linen
 
@@ -195,7 +198,7 @@ def test_default_policy_on_nnx_state_with_roles():
     step(model, opt)
     tree = {"model": nnx.state(model), "opt": nnx.state(opt)}
     delta = plan_by_path(ol.LeafPolicy(), tree, is_base=False)
-    assert delta["model/l1/kernel/value"] == "lc"
+    assert delta["model/l1/kernel/value"] == PARAM_CODEC
     assert delta["model/bn/mean/value"] == delta["model/bn/var/value"] == "exact"
     assert delta["model/count/value"] == "exact"
     assert delta["opt/opt_state/0/mu/l1/kernel/value"] != "exact"
@@ -209,7 +212,7 @@ def test_default_policy_on_nnx_state_with_roles():
     assert adaptive["model/bn/mean/value"] in ("exact", "bitmask")
     # without roles (paths only) an NNX tree has no framework marks: batch stats are params
     assert plan_by_path(ol.LeafPolicy(), tree, False, with_roles=False)[
-        "model/bn/mean/value"] == "lc"
+        "model/bn/mean/value"] == PARAM_CODEC
 
 
 def test_presets():
