@@ -233,8 +233,8 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
     # ------------------------------------------------------------------ restore
 
     def metadata(self, directory: epath.Path) -> Any:
-        """Tree of ``jax.ShapeDtypeStruct`` of the saved item (no payload is read)."""
-        return restoring.metadata_tree(read_manifest(directory))
+        """Orbax ``TreeMetadata`` of the saved item (shape, dtype, sharding per leaf)."""
+        return restoring.metadata_tree(read_manifest(directory), directory)
 
     def restore(self, directory: epath.Path, args: LossyRestore | None = None) -> Any:
         """Restore the item onto ``args.item`` (or nested dicts without a target)."""

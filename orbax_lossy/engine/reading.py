@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import functools
 import math
 from typing import Any
 
 import jax
 import numpy as np
 
+from orbax_lossy.engine.targets import LeafTarget
 from orbax_lossy.errors import FormatError, InvalidArgumentError, LossyError
 from orbax_lossy.format import grid
 from orbax_lossy.format.manifest import LeafEntry
@@ -23,6 +26,37 @@ def target_sharding(target: Any) -> jax.sharding.Sharding:
         return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+@functools.lru_cache(maxsize=256)
+def saved_sharding(serialized: str) -> jax.sharding.Sharding | None:
+    """The sharding a leaf was saved with, if its devices exist here (else None)."""
+    from orbax.checkpoint._src.metadata import sharding as sharding_metadata
+
+    try:
+        sharding = sharding_metadata.from_serialized_string(serialized).to_jax_sharding()
+        available = set(jax.devices())
+        return sharding if all(d in available for d in sharding.device_set) else None
+    except Exception:  # other devices, another topology: restored on a default sharding
+        return None
+
+
+def with_saved_sharding(target: Any, leaf: LeafEntry) -> Any:
+    """``target``, or a target on the leaf's saved sharding where ``target`` names none."""
+    if leaf.storage != "device" or leaf.sharding is None:
+        return target
+    if isinstance(getattr(target, "sharding", None), jax.sharding.Sharding):
+        return target
+    sharding = saved_sharding(leaf.sharding)
+    if sharding is None:
+        return target
+    if target is None:
+        return LeafTarget(sharding=sharding)
+    if isinstance(target, LeafTarget):
+        return dataclasses.replace(target, sharding=sharding)
+    if isinstance(target, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(target.shape, target.dtype, sharding=sharding)
+    return target
 
 
 def cast_to_target(value: Any, target: Any, leaf: LeafEntry) -> Any:

@@ -353,8 +353,10 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int) -> Rest
     final = chain[-1][1]
     matched, all_targets, treedef = _match_targets(item_dir, final, target)
     selected = [i for i in matched if i is not None]  # PLACEHOLDER targets are skipped
-    targets = [t for i, t in zip(matched, all_targets, strict=True) if i is not None]
     chosen = [final.leaves[i] for i in selected]
+    targets = [reading.with_saved_sharding(t, leaf) for t, leaf in zip(
+        (t for i, t in zip(matched, all_targets, strict=True) if i is not None), chosen,
+        strict=True)]
     _check_budget(item_dir, final, chosen, targets)
     per_link = _link_leaves(chain, chosen)
     starts = _first_needed_links(per_link, len(chosen))
@@ -392,17 +394,34 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int) -> Rest
     return RestoredItem(tree, item_dir, final, by_stored, needed <= set(selected), bytes_read)
 
 
-def metadata_tree(manifest: Manifest) -> Any:
-    """Tree of ``jax.ShapeDtypeStruct`` of a saved item (PRNG keys as key arrays)."""
+def metadata_tree(manifest: Manifest, directory: os.PathLike | str) -> Any:
+    """Orbax's tree metadata of a saved item: per leaf an ``ArrayMetadata`` (device and numpy
+    leaves: shape, dtype, saved sharding; PRNG keys with their key dtype) or a
+    ``ScalarMetadata`` (Python and numpy scalars); no payload is read."""
+    from etils import epath
+    from orbax.checkpoint import metadata as ocp_metadata
+    from orbax.checkpoint._src.metadata import sharding as sharding_metadata
+    from orbax.checkpoint._src.metadata import tree as tree_metadata
+
+    where = epath.Path(os.fspath(directory))
     leaves: list[Any] = []
     for leaf in manifest.leaves:
         if leaf.storage == "none":
             leaves.append(None)
-        elif leaf.key_impl:
-            leaves.append(jax.eval_shape(
+            continue
+        shape, dtype = leaf.shape, leaf.dtype
+        if leaf.key_impl:
+            spec = jax.eval_shape(
                 lambda s=leaf.shape, d=leaf.dtype, impl=leaf.key_impl:
-                jax.random.wrap_key_data(jnp.zeros(s, d), impl=impl)))
-        else:
-            leaves.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+                jax.random.wrap_key_data(jnp.zeros(s, d), impl=impl))
+            shape, dtype = spec.shape, spec.dtype
+        sharding = None
+        if leaf.sharding is not None:
+            with contextlib.suppress(Exception):  # unreadable: reported as unknown
+                sharding = sharding_metadata.from_serialized_string(leaf.sharding)
+        kind = (ocp_metadata.ScalarMetadata if leaf.storage in ("int", "float", "bool", "scalar")
+                else ocp_metadata.ArrayMetadata)
+        leaves.append(kind(name=leaf.name, directory=where, shape=shape, sharding=sharding,
+                           dtype=dtype))
     paths: list[StoredPath] = [leaf.path for leaf in manifest.leaves]
-    return build_nested(paths, leaves)
+    return tree_metadata.build_default_tree_metadata(build_nested(paths, leaves))

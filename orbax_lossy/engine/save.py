@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import re
 import secrets
@@ -81,6 +82,18 @@ def signature(prepared: Sequence[Any], storages: Sequence[str],
         delta_signature(s == "device" and impl is None, np.shape(x), x.dtype)
         for x, s, impl in zip(prepared, storages, key_impls, strict=True)
     )
+
+
+@functools.lru_cache(maxsize=256)
+def sharding_string(sharding: jax.sharding.Sharding) -> str | None:
+    """Orbax's serialized sharding metadata (restores without a target reuse it)."""
+    from orbax.checkpoint._src.metadata import sharding as sharding_metadata
+
+    try:
+        meta = sharding_metadata.from_jax_sharding(sharding)
+    except Exception:  # a sharding type Orbax cannot describe: restored on a default
+        return None
+    return None if meta is None else meta.to_serialized_string()
 
 
 def save_id() -> str:
@@ -250,6 +263,7 @@ def collect(req: SaveRequest, dispatched: Dispatched) -> EncodedSave:
             side={k: np.asarray(v) for k, v in side.items()},
             role=leaf_role(paths[i], dtype) if key_impls[i] is None else "rng",
             rel_error=float(err),
+            sharding=sharding_string(arr.sharding) if storages[i] == "device" else None,
         )
         return LeafJob(i, entry, shards)
 

@@ -39,6 +39,7 @@ MAX_ELEMENTS = 1 << 46
 MAX_SIDE_BYTES = 1 << 20  # per leaf; codecs store at most a few kB (representatives, codebooks)
 MAX_SIDE_ARRAYS = 16
 MAX_CHUNK_BYTES = 1 << 30
+MAX_SHARDING_CHARS = 1 << 20
 
 
 def _fail(where: str, message: str) -> FormatError:
@@ -89,6 +90,12 @@ def _steps(value: list, where: str) -> tuple[int, ...]:
     ):
         raise _fail(where, "extra dependencies are not a list of steps")
     return tuple(value)
+
+
+def _sharding_string(value: str | None, where: str) -> str | None:
+    if value is not None and len(value) > MAX_SHARDING_CHARS:
+        raise _fail(where, "sharding description is larger than any writer produces")
+    return value
 
 
 def _path(value: Any, where: str) -> StoredPath:
@@ -226,6 +233,7 @@ class LeafEntry:
     role: str | None
     rel_error: float
     pieces: tuple[PieceRef, ...] = ()
+    sharding: str | None = None  # Orbax's serialized ShardingMetadata of a device leaf
 
     @property
     def name(self) -> str:
@@ -264,6 +272,8 @@ class LeafEntry:
             "role": self.role,
             "rel_error": self.rel_error,
         }
+        if self.sharding is not None:
+            out["sharding"] = self.sharding
         if with_pieces:
             out["pieces"] = [p.to_msgpack() for p in self.pieces]
             out["stored_bytes"] = self.stored_bytes
@@ -339,6 +349,7 @@ class LeafEntry:
             role=_get(d, "role", str, lw, None),
             rel_error=float(rel_error),
             pieces=pieces,
+            sharding=_sharding_string(_get(d, "sharding", str, lw, None), lw),
         )
 
     def check_coverage(self, where: str) -> None:
