@@ -138,7 +138,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         """
         # 1. Validate.
         if not isinstance(args, LossySave):
-            raise InvalidArgumentError(f"expected LossySave args, got {type(args).__name__}")
+            raise _wrong_args(args, "LossySave")
         item_dir = final_path(os.path.abspath(os.fspath(directory)))
         # One writer per root (orbax_lossy/format/lock.py): a second handler saving here fails.
         writer_lock.hold(self, item_dir, jax.process_index() == self.primary_host)
@@ -240,7 +240,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         """Restore the item onto ``args.item`` (or nested dicts without a target)."""
         args = args if args is not None else LossyRestore()
         if not isinstance(args, LossyRestore):
-            raise InvalidArgumentError(f"expected LossyRestore args, got {type(args).__name__}")
+            raise _wrong_args(args, "LossyRestore")
         self._store.wait(os.path.basename(final_path(os.fspath(directory))))
         if self.partial_experts is not None:  # partial experts: each from its newest holder
             tree = self.partial_experts.restore(self, directory, args)
@@ -260,6 +260,16 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._store.put(restored_reference(restored, self.reference_on_host))
         self._store.record_dependencies(restored.item_dir,
                                         set(restored.manifest.header.depends_on))
+
+
+def _wrong_args(args: Any, expected: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"the lossy handler takes ol.{expected}(...), got {type(args).__name__} (same fields: "
+        f"item, save_args / restore_args, ...). To save an item with plain Orbax beside the "
+        "lossy one, name it: ol.checkpoint_manager(dir, items={'extra': "
+        "ocp.handlers.StandardCheckpointHandler()}) and save ocp.args.Composite(state="
+        "ol.LossySave(...), extra=ocp.args.StandardSave(...))"
+    )
 
 
 ocp.args.register_with_handler(LossyCheckpointHandler, for_save=True)(LossySave)

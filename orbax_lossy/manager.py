@@ -44,6 +44,12 @@ def _handler_instance(name: str, handler: Any) -> Any:
     return handler
 
 
+ORBAX_STANDARD_ARGS = (
+    ocp.args.StandardSave, ocp.args.StandardRestore, ocp.args.PyTreeSave,
+    ocp.args.PyTreeRestore,
+)
+
+
 def handler_registry(
     handler: LossyCheckpointHandler, items: Items | None = None
 ) -> tuple[ocp.handlers.DefaultCheckpointHandlerRegistry, list[LossyCheckpointHandler]]:
@@ -86,6 +92,11 @@ def handler_registry(
             registry.add("default", args_type, handler)
         if not registry.has(None, args_type):
             registry.add(None, args_type, handler)
+    # Orbax habits on the single item: the handler answers StandardSave & co. with an error
+    # that names the fix (instead of Orbax's handler mismatch message printing the tree).
+    for args_type in ORBAX_STANDARD_ARGS:
+        if not registry.has("default", args_type):
+            registry.add("default", args_type, handler)
     return registry, lossy
 
 

@@ -139,3 +139,14 @@ def test_restore_without_target_uses_the_saved_sharding(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_orbax_standard_args_on_the_lossy_manager_name_the_fix(tmp_path) -> None:
+    with ol.checkpoint_manager(tmp_path) as mngr:
+        with pytest.raises(ol.InvalidArgumentError, match=r"ol\.LossySave"):
+            mngr.save(0, args=ocp.args.StandardSave(_state()))
+        assert mngr.save(1, args=ol.LossySave(_state()))  # the manager is still usable
+        mngr.wait_until_finished()
+        with pytest.raises(ol.InvalidArgumentError, match=r"ol\.LossyRestore"):
+            mngr.restore(1, args=ocp.args.StandardRestore(_state()))
+        assert mngr.all_steps() == [1]
