@@ -141,7 +141,8 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train on digits with lossy checkpoints, print sizes")
     demo.add_argument("--steps", type=int, default=300)
     demo.add_argument("--every", type=int, default=10)
-    demo.add_argument("--bits", type=int, default=3)
+    demo.add_argument("--bits", type=int, default=None,
+                      help="LC bits for parameters (default: the library's default policy)")
     demo.add_argument("--base-interval", type=int, default=10)
     demo.add_argument("--dir", default=None, help="keep the checkpoints here (default: a "
                       "temporary folder, removed at the end)")
