@@ -234,7 +234,8 @@ def main(out_dir: str) -> None:
     fresh.restore(
         step_dir,
         orbax_lossy.LossyRestore(
-            {"params": {"w": jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=save_sh["w"])}}
+            {"params": {"w": jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=save_sh["w"])}},
+            partial_restore=True,
         ),
     )
     partial["full_restore_w"] = {"bytes_read": fresh.last_restore_bytes_read, "payload": w_payload}
