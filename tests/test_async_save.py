@@ -141,5 +141,7 @@ def test_typestr_and_registration():
     default = ol.LossyCheckpointHandler()
     assert default.base_interval >= 1
     codecs = default.policy.plan([(("d", "w"),)], [jnp.ones(3)], [jnp.ones(3)], False)
-    assert codecs == [ol.LC(bits=3)]
+    assert codecs == [ol.LeafPolicy().plan([(("d", "w"),)], [jnp.ones(3)], [jnp.ones(3)],
+                                           False)[0]]
+    assert codecs[0].lossy and codecs[0].needs_reference  # the default compresses params
     ol.LossyRestore()  # every restore field is optional

@@ -27,7 +27,8 @@ def _state(t: int) -> dict:
 
 @pytest.fixture
 def root(tmp_path) -> pathlib.Path:
-    with ol.checkpoint_manager(tmp_path / "ckpt", base_interval=3, max_to_keep=None) as mngr:
+    with ol.checkpoint_manager(tmp_path / "ckpt", policy=ol.LeafPolicy.params_only(),
+                               base_interval=3, max_to_keep=None) as mngr:
         for t in range(5):
             mngr.save(t, args=ol.LossySave(_state(t)))
     return tmp_path / "ckpt"
