@@ -75,7 +75,8 @@ def test_composite_items_chain_retention_and_restore(tmp_path, assert_bitwise):
 
     # Partial, typed restore of the lossy item only.
     target = {"w": jax.ShapeDtypeStruct((20, 15), jnp.float32)}
-    part = fresh.restore(3, args=ocp.args.Composite(state=ol.LossyRestore(target, partial_restore=True)))
+    part = fresh.restore(
+        3, args=ocp.args.Composite(state=ol.LossyRestore(target, partial_restore=True)))
     assert set(part.keys()) == {"state"} and set(part.state) == {"w"}
     assert_bitwise(part.state["w"], recon[3]["w"], "w@3")
 
