@@ -33,6 +33,7 @@ from orbax_lossy.format import lock as writer_lock
 from orbax_lossy.format.manifest import DEFAULT_CHUNK_BYTES, read_manifest
 from orbax_lossy.format.steps import final_path
 from orbax_lossy.policy import LeafPolicy, Policy
+from orbax_lossy.policy.roles import leaf_roles
 
 TYPESTR = "orbax_lossy.LossyCheckpointHandler"
 
@@ -171,6 +172,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             item_dir=item_dir, paths=paths, values=save.secure_copies(prepared, storages),
             storages=storages, key_impls=key_impls, ref=ref, header=header,
             policy=self.policy, chunk_bytes=self.chunk_bytes, primary_host=self.primary_host,
+            roles=leaf_roles(args.item, keep_none=True),
         )
         # 4. Several processes: dispatch the device programs here, in one order everywhere.
         dispatched = save.dispatch_encode(request) if jax.process_count() > 1 else None

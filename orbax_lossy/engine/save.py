@@ -180,6 +180,7 @@ class SaveRequest:
     policy: Policy
     chunk_bytes: int
     primary_host: int
+    roles: Sequence[str] | None = None  # per leaf, from the framework (policy.roles)
 
 
 @dataclasses.dataclass
@@ -216,6 +217,7 @@ def dispatch_encode(req: SaveRequest) -> Dispatched:
         [prepared[i] for i in codec_leaves],
         [refs[i] for i in codec_leaves],
         is_base,
+        roles=None if req.roles is None else [req.roles[i] for i in codec_leaves],
     )
     for i, codec in zip(codec_leaves, chosen, strict=True):
         if is_base and codec.needs_reference:
@@ -261,7 +263,8 @@ def collect(req: SaveRequest, dispatched: Dispatched) -> EncodedSave:
             codec_config=codec_config(codec),
             chunk=grid.chunk_shape_for(np.shape(arr), dtype.itemsize, req.chunk_bytes),
             side={k: np.asarray(v) for k, v in side.items()},
-            role=leaf_role(paths[i], dtype) if key_impls[i] is None else "rng",
+            role=("rng" if key_impls[i] is not None else
+                  req.roles[i] if req.roles is not None else leaf_role(paths[i], dtype)),
             rel_error=float(err),
             sharding=sharding_string(arr.sharding) if storages[i] == "device" else None,
         )
