@@ -6,6 +6,7 @@ from orbax_lossy.codecs.cluster import Cluster
 from orbax_lossy.codecs.exact import Exact
 from orbax_lossy.codecs.lc import LC
 from orbax_lossy.codecs.uniform import Uniform
+from orbax_lossy.codecs.zero import Zero
 from orbax_lossy.errors import (
     ChainError,
     ChecksumError,
@@ -14,6 +15,7 @@ from orbax_lossy.errors import (
     InvalidArgumentError,
     LossyError,
     MissingStepError,
+    RootLockedError,
     TruncatedError,
     UnsupportedVersionError,
 )
@@ -49,9 +51,11 @@ __all__ = [
     "LossySave",
     "MissingStepError",
     "PartialExperts",
+    "RootLockedError",
     "TruncatedError",
     "Uniform",
     "UnsupportedVersionError",
+    "Zero",
     "chain_dependencies",
     "checkpoint_manager",
     "checkpoint_stats",

@@ -42,8 +42,8 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Orbax handler for lossy, delta-coded checkpoints of pytrees.
 
     Args:
-      policy: per-leaf codec rules (default: LC-Checkpoint with 3 bits for float parameters,
-        exact for optimizer state, integers and PRNG keys).
+      policy: per-leaf codec choice (default :class:`~orbax_lossy.LeafPolicy`: parameters
+        and optimizer moments compressed, everything else exact; docs/whole_state.md).
       base_interval: a full lossless base every ``base_interval`` saves; saves in between
         are deltas against the reconstruction of the previous save.
       chunk_bytes: target size of a chunk of the fixed chunk grid (of the raw array).
