@@ -17,7 +17,7 @@ import numpy as np
 
 from orbax_lossy.errors import ChecksumError, FormatError, UnsupportedVersionError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 ENVELOPE_ENCODINGS = ("msgpack", "zlib")
 MAGIC = "orbax-lossy"
 # A structure file larger than this is not one we wrote; refuse before allocating.

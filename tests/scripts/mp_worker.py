@@ -245,7 +245,7 @@ def main() -> None:
     qsh = NamedSharding(Mesh(qdev, ("q",)), P("q", None))
     fresh = orbax_lossy.LossyCheckpointHandler()
     target = {"params": {"w": jax.ShapeDtypeStruct(SHAPES["w"], jnp.float32, sharding=qsh)}}
-    out = fresh.restore(item, orbax_lossy.LossyRestore(target))
+    out = fresh.restore(item, orbax_lossy.LossyRestore(target, partial_restore=True))
     local_rows = sum(s.data.shape[0] for s in out["params"]["w"].addressable_shards)
     summary["partial"] = {
         "step": base_step,
