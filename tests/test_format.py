@@ -82,7 +82,7 @@ def _save_two(tmp_path):
         "b": jnp.asarray(rng.standard_normal(64), jnp.bfloat16),
         "n": jnp.arange(5),
     }
-    handler = ol.LossyCheckpointHandler(chunk_bytes=4096)
+    handler = ol.LossyCheckpointHandler(ol.LeafPolicy.params_only(), chunk_bytes=4096)
     mngr = ol.checkpoint_manager(tmp_path, handler=handler, max_to_keep=None)
     mngr.save(0, args=ol.LossySave(state))
     mngr.wait_until_finished()

@@ -280,7 +280,7 @@ def unrestored_leaves(item_dir: os.PathLike | str, target: Any) -> list[str]:
     placeholders = {path_str(p) for p, leaf in zip(*flatten(target)[:2], strict=True)
                     if leaf is PLACEHOLDER}
     return [leaf.name for j, leaf in enumerate(manifest.leaves)
-            if j not in taken and leaf.name not in placeholders]
+            if j not in taken and leaf.name not in placeholders and leaf.storage != "none"]
 
 
 def _decode_link(
