@@ -274,7 +274,8 @@ def unrestored_leaves(item_dir: os.PathLike | str, target: Any) -> list[str]:
     """Stored leaves a restore onto ``target`` would leave out (for ``partial_restore``)."""
     from orbax_lossy.format.manifest import read_manifest
 
-    manifest = read_manifest(item_dir)
+    with stored_data(os.fspath(item_dir)):
+        manifest = read_manifest(item_dir)
     selected, _, _ = _match_targets(os.fspath(item_dir), manifest, target)
     taken = {i for i in selected if i is not None}
     placeholders = {path_str(p) for p, leaf in zip(*flatten(target)[:2], strict=True)

@@ -103,7 +103,7 @@ def _path(value: Any, where: str) -> StoredPath:
         raise _fail(where, "leaf path is not a list")
     out = []
     for entry in value:
-        if (not isinstance(entry, list) or len(entry) != 2 or entry[0] not in "dsai"
+        if (not isinstance(entry, list) or len(entry) != 2 or entry[0] not in ("d", "s", "a", "i")
                 or not isinstance(entry[1], (str, int)) or isinstance(entry[1], bool)):
             raise _fail(where, f"malformed leaf path entry {str(entry)[:100]}")
         out.append((entry[0], entry[1]))
