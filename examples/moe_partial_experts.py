@@ -49,17 +49,21 @@ def main() -> None:
         return ol.checkpoint_manager(directory, partial_experts=pec, max_to_keep=2,
                                      base_interval=20), pec
 
+    def train(model, opt, mngr, steps, routed) -> None:
+        """Train over ``steps``; save every ``--every`` steps with the tokens routed since."""
+        for step in steps:
+            _, counts = toy.train_step(model, opt, *data.batch(step, batch))
+            routed += np.asarray(counts)
+            if step % args.every == 0:
+                mngr.save(step, args=ol.LossySave(nnx.state((model, opt)), expert_tokens={
+                    g: routed[i] for i, g in enumerate(GROUPS)}))
+                routed[:] = 0
+        mngr.wait_until_finished()
+
     model, opt = toy.build(data.vocab, d=16, h=32)
     mngr, _ = manager()
     routed = np.zeros((2, 8), np.int64)
-    for step in range(1, args.crash_at + 1):
-        loss, counts = toy.train_step(model, opt, *data.batch(step, batch))
-        routed += np.asarray(counts)
-        if step % args.every == 0:
-            mngr.save(step, args=ol.LossySave(nnx.state((model, opt)), expert_tokens={
-                g: routed[i] for i, g in enumerate(GROUPS)}))
-            routed[:] = 0
-    mngr.wait_until_finished()
+    train(model, opt, mngr, range(1, args.crash_at + 1), routed)
     before = float(toy.eval_loss(model, *data.batch(0, 512, valid=True)))
     latest = mngr.latest_step()
     rep = ol.partial_experts_report(f"{directory}/{latest}/default")
@@ -81,14 +85,7 @@ def main() -> None:
           f"{report['expert_steps']}")
     print(f"  lost tokens {report['lost_tokens']}, PLT {report['plt']:.2%} "
           f"({report['plt_denominator']}), K {report['k']} -> {report['k_next']}")
-    for step in range(latest + 1, args.steps + 1):
-        loss, counts = toy.train_step(model, opt, *data.batch(step, batch))
-        routed += np.asarray(counts)
-        if step % args.every == 0:
-            mngr.save(step, args=ol.LossySave(nnx.state((model, opt)), expert_tokens={
-                g: routed[i] for i, g in enumerate(GROUPS)}))
-            routed[:] = 0
-    mngr.wait_until_finished()
+    train(model, opt, mngr, range(latest + 1, args.steps + 1), routed)
     final = mngr.latest_step()
     final_loss = float(toy.eval_loss(model, *data.batch(0, 512, valid=True)))
     print(f"finished {args.steps} steps: validation loss {final_loss:.3f}; step {final} holds "

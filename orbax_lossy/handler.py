@@ -34,6 +34,7 @@ from orbax_lossy.format.manifest import DEFAULT_CHUNK_BYTES, read_manifest
 from orbax_lossy.format.steps import final_path
 from orbax_lossy.policy import LeafPolicy, Policy
 from orbax_lossy.policy.roles import leaf_roles
+from orbax_lossy.treepaths import empty_nodes
 
 TYPESTR = "orbax_lossy.LossyCheckpointHandler"
 
@@ -165,6 +166,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             chunk_bytes=self.chunk_bytes, primary_host=self.primary_host,
             per_leaf=bool(self.policy.plan_varies),
             extra_dependencies=pec.extra_dependencies if pec is not None else (),
+            empty_nodes=empty_nodes(args.item),
         )
         self._store.record_dependencies(item_dir, set(header.depends_on))
         # 3. Copies the handler owns (the caller may donate its arrays once save() returns).

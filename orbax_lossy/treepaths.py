@@ -8,6 +8,7 @@ keys), like Orbax does; restoring with a target tree matches leaves by path.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -91,3 +92,49 @@ def _lists_from_sequence_dicts(root: dict[Any, Any], paths: Sequence[StoredPath]
         return items
 
     return convert(root, ())
+
+
+#: How an empty node is restored without a target, as Orbax restores it: an empty mapping as
+#: ``{}``, an empty list or tuple as ``[]``, any other empty node (optax's ``EmptyState()``,
+#: an empty dataclass) as ``None``.
+EMPTY_NODE_KINDS = ("dict", "list", "none")
+
+
+def _is_empty_node(x: Any) -> bool:
+    if x is None:
+        return False
+    return not jax.tree_util.tree_leaves(x)  # a node without leaves (a leaf is its own leaf)
+
+
+def empty_nodes(tree: Any) -> list[tuple[StoredPath, str]]:
+    """Paths of the tree's empty containers, with how each comes back (``EMPTY_NODE_KINDS``).
+
+    Depends only on the tree's structure, so it is computed once per structure (``save()``
+    calls it on the training thread).
+    """
+    if tree is None:
+        return []
+    return list(_empty_nodes_of(jax.tree_util.tree_structure(tree)))
+
+
+@functools.lru_cache(maxsize=64)
+def _empty_nodes_of(treedef: Any) -> tuple[tuple[StoredPath, str], ...]:
+    skeleton = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
+    found = jax.tree_util.tree_flatten_with_path(skeleton, is_leaf=_is_empty_node)[0]
+    out = []
+    for path, node in found:
+        if not _is_empty_node(node):
+            continue
+        if isinstance(node, dict):
+            kind = "dict"
+        elif isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
+            kind = "list"
+        else:
+            kind = "none"
+        out.append((encode_path(path), kind))
+    return tuple(out)
+
+
+def empty_value(kind: str) -> Any:
+    """The value an empty node of ``kind`` restores as."""
+    return {} if kind == "dict" else [] if kind == "list" else None

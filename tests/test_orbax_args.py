@@ -150,3 +150,23 @@ def test_orbax_standard_args_on_the_lossy_manager_name_the_fix(tmp_path) -> None
         with pytest.raises(ol.InvalidArgumentError, match=r"ol\.LossyRestore"):
             mngr.restore(1, args=ocp.args.StandardRestore(_state()))
         assert mngr.all_steps() == [1]
+
+
+def test_restore_without_target_keeps_empty_nodes_like_orbax(tmp_path) -> None:
+    import optax
+
+    params = {"w": jnp.ones(3)}
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    state = {"params": params, "opt": tx.init(params), "e": {}, "l": []}
+    with ocp.CheckpointManager(tmp_path / "plain") as plain:
+        plain.save(0, args=ocp.args.StandardSave(state))
+        plain.wait_until_finished()
+        want = plain.restore(0)
+    with ol.checkpoint_manager(tmp_path / "lossy") as mngr:
+        mngr.save(0, args=ol.LossySave(state))
+        mngr.wait_until_finished()
+        got = mngr.restore(0)
+        typed = mngr.restore(0, args=ol.LossyRestore(state))
+    assert jax.tree.structure(got) == jax.tree.structure(want)  # EmptyState -> None, {} , []
+    assert got["e"] == {} and got["l"] == [] and got["opt"][0] is None
+    assert jax.tree.structure(typed) == jax.tree.structure(state)

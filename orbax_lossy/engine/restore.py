@@ -26,7 +26,7 @@ from orbax_lossy.format import payload
 from orbax_lossy.format.chain import walk_chain
 from orbax_lossy.format.manifest import HOST_STORAGES, LeafEntry, Manifest
 from orbax_lossy.format.steps import root_of
-from orbax_lossy.treepaths import StoredPath, build_nested, flatten, path_str
+from orbax_lossy.treepaths import StoredPath, build_nested, empty_value, flatten, path_str
 
 PLACEHOLDER = ...  # ocp.PLACEHOLDER: a target leaf that is not restored
 
@@ -382,8 +382,10 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int) -> Rest
                 value = jax.random.wrap_key_data(value, impl=leaf.key_impl)
             out.append(reading.cast_to_target(value, targets[k], leaf))
     if treedef is None:
+        empties = final.header.empty_nodes
         with stored_data(_where(final_dir, final)):
-            tree = build_nested([leaf.path for leaf in chosen], out)
+            tree = build_nested([leaf.path for leaf in chosen] + [p for p, _ in empties],
+                                out + [empty_value(kind) for _, kind in empties])
     else:
         restored = iter(out)
         tree = jax.tree_util.tree_unflatten(

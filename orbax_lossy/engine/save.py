@@ -138,6 +138,7 @@ def make_header(
     primary_host: int,
     per_leaf: bool,
     extra_dependencies: Sequence[int] = (),
+    empty_nodes: Sequence[tuple[StoredPath, str]] = (),
 ) -> Header:
     """The manifest header of a save, known before anything is encoded (retention reads the
     dependencies on the training thread, right after ``save()`` returns)."""
@@ -155,6 +156,7 @@ def make_header(
         programs="per_leaf" if per_leaf else "tree",
         save_id=save_id(),
         extra_dependencies=tuple(int(s) for s in extra_dependencies),
+        empty_nodes=tuple(empty_nodes),
     )
 
 

@@ -23,7 +23,7 @@ from orbax_lossy.errors import FormatError, LossyError
 from orbax_lossy.format.envelope import read_envelope, write_envelope
 from orbax_lossy.format.grid import box_inside, chunk_shape_for, intersect, within_one_chunk
 from orbax_lossy.format.payload import PieceRef
-from orbax_lossy.treepaths import StoredPath, path_str
+from orbax_lossy.treepaths import EMPTY_NODE_KINDS, StoredPath, path_str
 
 MANIFEST_NAME = "manifest.msgpack"
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -98,6 +98,18 @@ def _sharding_string(value: str | None, where: str) -> str | None:
     return value
 
 
+def _empty_nodes(value: list, where: str) -> tuple[tuple[StoredPath, str], ...]:
+    if len(value) > MAX_LEAVES:
+        raise _fail(where, "more empty nodes than any writer produces")
+    out = []
+    for entry in value:
+        if (not isinstance(entry, list) or len(entry) != 2
+                or entry[1] not in EMPTY_NODE_KINDS):
+            raise _fail(where, f"malformed empty node {str(entry)[:100]}")
+        out.append((_path(entry[0], where), entry[1]))
+    return tuple(out)
+
+
 def _path(value: Any, where: str) -> StoredPath:
     if not isinstance(value, list):
         raise _fail(where, "leaf path is not a list")
@@ -151,6 +163,7 @@ class Header:
     writer: str = "orbax-lossy"
     save_id: str | None = None
     extra_dependencies: tuple[int, ...] = ()  # steps read besides the reference (PEC)
+    empty_nodes: tuple[tuple[StoredPath, str], ...] = ()  # empty containers of the saved tree
 
     @property
     def is_base(self) -> bool:
@@ -182,6 +195,9 @@ class Header:
             out["save_id"] = self.save_id
         if self.extra_dependencies:
             out["extra_dependencies"] = list(self.extra_dependencies)
+        if self.empty_nodes:
+            out["empty_nodes"] = [[[list(e) for e in path], kind]
+                                  for path, kind in self.empty_nodes]
         return out
 
     @classmethod
@@ -207,6 +223,7 @@ class Header:
             writer=_get(d, "writer", str, where, "orbax-lossy"),
             save_id=_get(d, "save_id", str, where, None),
             extra_dependencies=_steps(_get(d, "extra_dependencies", list, where, []), where),
+            empty_nodes=_empty_nodes(_get(d, "empty_nodes", list, where, []), where),
         )
         if (header.chain_length < 0 or header.process_count < 1 or header.chunk_bytes < 1
                 or header.base_interval < 1 or header.primary_host < 0
