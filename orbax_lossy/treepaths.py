@@ -21,6 +21,7 @@ StoredPath = tuple[tuple[str, Any], ...]
 
 
 def encode_path(path: Sequence[Any]) -> StoredPath:
+    """A JAX key path as stored on disk: ``(("d"|"s"|"a"|"i", key), ...)``."""
     out = []
     for entry in path:
         if isinstance(entry, DictKey):

@@ -109,6 +109,7 @@ def promote(
 
 
 def dequantize(symbols: jax.Array, reps: jax.Array) -> jax.Array:
+    """Decode symbols to their bucket representatives (``reps[symbol]``)."""
     return reps[symbols.astype(jnp.int32)]
 
 
@@ -213,12 +214,15 @@ class LC(CodecBase):
 
     @property
     def needs_reference(self) -> bool:
+        """A delta (``mode="delta"``) is decoded against the previous reconstruction."""
         return self.mode == "delta"
 
     def fields(self) -> dict[str, Field]:
+        """One uint8 symbol field with an alphabet of ``2**bits`` (Huffman coded on host)."""
         return {"sym": Field.symbols(2**self.bits)}
 
     def encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded:
+        """Quantize ``value`` (or its delta to ``reference``) into kept exponent buckets."""
         if not jnp.issubdtype(value.dtype, jnp.floating):
             raise CodecError(f"LC codes floating-point leaves, got {value.dtype}")
         wd = work_dtype(value.dtype)
@@ -270,6 +274,7 @@ class LC(CodecBase):
         reference: jax.Array | None,
         dtype: Any,
     ) -> jax.Array:
+        """Bucket representatives of the symbols (plus the reference for deltas)."""
         wd = work_dtype(dtype)
         if self.needs_reference and reference is None:
             raise CodecError(f"{self}: a delta needs its reference to decode")
@@ -289,6 +294,7 @@ class LC(CodecBase):
     # ------------------------------------------------------------------ pricing
 
     def has_estimate(self, measure: ErrorMeasure) -> bool:
+        """An analytic size/error estimate exists for the linear domain and L2 error."""
         return self.domain == "linear" and measure == "l2"
 
     def estimate(self, stats: Mapping[str, Any], n: int, dtype: np.dtype) -> Estimate:
@@ -318,12 +324,14 @@ class LC(CodecBase):
 
     @classmethod
     def examples(cls) -> tuple[LC, ...]:
+        """Configurations the conformance suite runs."""
         return (LC(1), LC(3), LC(8), LC(3, mode="direct"), LC(2, domain="log"),
                 LC(4, domain="log"))
 
     def error_bound(
         self, value: np.ndarray, reference: np.ndarray | None, encoded: Encoded
     ) -> np.ndarray:
+        """Largest elementwise error the bucket rule allows (checked by the conformance suite)."""
         v = np.asarray(value, np.float64)
         r = np.zeros_like(v) if reference is None else np.asarray(reference, np.float64)
         sym = np.asarray(encoded.fields["sym"])
