@@ -23,7 +23,21 @@ from orbax_lossy.errors import FormatError, LossyError
 from orbax_lossy.format.envelope import read_envelope, write_envelope
 from orbax_lossy.format.grid import box_inside, chunk_shape_for, intersect, within_one_chunk
 from orbax_lossy.format.payload import PieceRef
-from orbax_lossy.treepaths import EMPTY_NODE_KINDS, StoredPath, path_str
+from orbax_lossy.format.schema import (
+    MAX_CHUNK_BYTES,
+    MAX_LEAVES,
+    MAX_SIDE_ARRAYS,
+    MAX_SIDE_BYTES,
+    dtype_of,
+    empty_nodes_of,
+    fail,
+    get,
+    path_of,
+    shape_of,
+    sharding_string,
+    steps_of,
+)
+from orbax_lossy.treepaths import StoredPath, path_str
 
 MANIFEST_NAME = "manifest.msgpack"
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -33,95 +47,6 @@ STORAGES = ("device", "numpy", "scalar", "int", "float", "bool", "none")
 HOST_STORAGES = ("numpy", "scalar", "int", "float", "bool", "none")
 SAVE_TYPES = ("base", "delta")
 # Limits no writer reaches; a manifest past them is damaged or hostile.
-MAX_LEAVES = 1 << 20
-MAX_RANK = 64
-MAX_ELEMENTS = 1 << 46
-MAX_SIDE_BYTES = 1 << 20  # per leaf; codecs store at most a few kB (representatives, codebooks)
-MAX_SIDE_ARRAYS = 16
-MAX_CHUNK_BYTES = 1 << 30
-MAX_SHARDING_CHARS = 1 << 20
-
-
-def _fail(where: str, message: str) -> FormatError:
-    return FormatError(f"{where}: {message}")
-
-
-def _get(d: Any, key: str, types: type | tuple[type, ...], where: str, default: Any = ...) -> Any:
-    if not isinstance(d, dict):
-        raise _fail(where, f"expected a map, found {type(d).__name__}")
-    if key not in d:
-        if default is ...:
-            raise _fail(where, f"required key {key!r} is missing")
-        return default
-    value = d[key]
-    if value is None and default is None:
-        return None
-    bad_bool = isinstance(value, bool) and bool not in (types if isinstance(types, tuple)
-                                                        else (types,))
-    if not isinstance(value, types) or bad_bool:
-        raise _fail(where, f"key {key!r} has type {type(value).__name__}")
-    return value
-
-
-def _dtype(name: Any, where: str) -> np.dtype:
-    import jax.numpy as jnp  # jnp knows bfloat16 and the float8 types
-
-    if not isinstance(name, str):
-        raise _fail(where, f"dtype {name!r} is not a string")
-    try:
-        return np.dtype(jnp.dtype(name))
-    except TypeError as e:
-        raise _fail(where, f"unknown dtype {name!r}") from e
-
-
-def _shape(value: Any, where: str, what: str = "shape") -> tuple[int, ...]:
-    if not isinstance(value, list) or len(value) > MAX_RANK:
-        raise _fail(where, f"{what} {str(value)[:100]} is not a list of at most {MAX_RANK} dims")
-    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in value):
-        raise _fail(where, f"{what} {value} has a non-integer or negative dimension")
-    if math.prod(value) > MAX_ELEMENTS:
-        raise _fail(where, f"impossible {what} {value}")
-    return tuple(value)
-
-
-def _steps(value: list, where: str) -> tuple[int, ...]:
-    if len(value) > MAX_LEAVES or any(
-        isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in value
-    ):
-        raise _fail(where, "extra dependencies are not a list of steps")
-    return tuple(value)
-
-
-def _sharding_string(value: str | None, where: str) -> str | None:
-    if value is not None and len(value) > MAX_SHARDING_CHARS:
-        raise _fail(where, "sharding description is larger than any writer produces")
-    return value
-
-
-def _empty_nodes(value: list, where: str) -> tuple[tuple[StoredPath, str], ...]:
-    if len(value) > MAX_LEAVES:
-        raise _fail(where, "more empty nodes than any writer produces")
-    out = []
-    for entry in value:
-        if (not isinstance(entry, list) or len(entry) != 2
-                or entry[1] not in EMPTY_NODE_KINDS):
-            raise _fail(where, f"malformed empty node {str(entry)[:100]}")
-        out.append((_path(entry[0], where), entry[1]))
-    return tuple(out)
-
-
-def _path(value: Any, where: str) -> StoredPath:
-    if not isinstance(value, list):
-        raise _fail(where, "leaf path is not a list")
-    out = []
-    for entry in value:
-        if (not isinstance(entry, list) or len(entry) != 2 or entry[0] not in ("d", "s", "a", "i")
-                or not isinstance(entry[1], (str, int)) or isinstance(entry[1], bool)):
-            raise _fail(where, f"malformed leaf path entry {str(entry)[:100]}")
-        out.append((entry[0], entry[1]))
-    return tuple(out)
-
-
 @dataclasses.dataclass(frozen=True)
 class ReferenceLink:
     """The step a delta checkpoint was encoded against."""
@@ -141,9 +66,9 @@ class ReferenceLink:
     def parse(cls, d: Any, where: str) -> ReferenceLink:
         """Validate the on-disk form."""
         return cls(
-            relpath=_get(d, "relpath", str, where),
-            step=_get(d, "step", int, where, None),
-            save_id=_get(d, "save_id", str, where, None),
+            relpath=get(d, "relpath", str, where),
+            step=get(d, "step", int, where, None),
+            save_id=get(d, "save_id", str, where, None),
         )
 
 
@@ -203,35 +128,35 @@ class Header:
     @classmethod
     def parse(cls, d: Any, where: str) -> Header:
         """Validate the on-disk form."""
-        save_type = _get(d, "kind", str, where)
+        save_type = get(d, "kind", str, where)
         if save_type not in SAVE_TYPES:
-            raise _fail(where, f"save type {save_type!r} is neither base nor delta")
-        ref = _get(d, "reference", dict, where, None)
+            raise fail(where, f"save type {save_type!r} is neither base nor delta")
+        ref = get(d, "reference", dict, where, None)
         reference = None if ref is None else ReferenceLink.parse(ref, f"{where} (reference)")
         if save_type == "delta" and reference is None:
-            raise _fail(where, "a delta checkpoint has no reference")
+            raise fail(where, "a delta checkpoint has no reference")
         header = cls(
-            step=_get(d, "step", int, where, None),
+            step=get(d, "step", int, where, None),
             save_type=save_type,
-            chain_length=_get(d, "chain_length", int, where, 0),
-            base_interval=_get(d, "base_interval", int, where, 1),
+            chain_length=get(d, "chain_length", int, where, 0),
+            base_interval=get(d, "base_interval", int, where, 1),
             reference=reference if save_type == "delta" else None,
-            chunk_bytes=_get(d, "chunk_bytes", int, where, DEFAULT_CHUNK_BYTES),
-            process_count=_get(d, "process_count", int, where, 1),
-            primary_host=_get(d, "primary_host", int, where, 0),
-            programs=_get(d, "programs", str, where, "tree"),
-            writer=_get(d, "writer", str, where, "orbax-lossy"),
-            save_id=_get(d, "save_id", str, where, None),
-            extra_dependencies=_steps(_get(d, "extra_dependencies", list, where, []), where),
-            empty_nodes=_empty_nodes(_get(d, "empty_nodes", list, where, []), where),
+            chunk_bytes=get(d, "chunk_bytes", int, where, DEFAULT_CHUNK_BYTES),
+            process_count=get(d, "process_count", int, where, 1),
+            primary_host=get(d, "primary_host", int, where, 0),
+            programs=get(d, "programs", str, where, "tree"),
+            writer=get(d, "writer", str, where, "orbax-lossy"),
+            save_id=get(d, "save_id", str, where, None),
+            extra_dependencies=steps_of(get(d, "extra_dependencies", list, where, []), where),
+            empty_nodes=empty_nodes_of(get(d, "empty_nodes", list, where, []), where),
         )
         if (header.chain_length < 0 or header.process_count < 1 or header.chunk_bytes < 1
                 or header.base_interval < 1 or header.primary_host < 0
                 or (header.step is not None and header.step < 0)
                 or (header.save_type == "delta") != (header.chain_length > 0)):
-            raise _fail(where, "header has an out-of-range value")
+            raise fail(where, "header has an out-of-range value")
         if header.programs not in ("tree", "per_leaf"):
-            raise _fail(where, f"unknown program layout {header.programs!r}")
+            raise fail(where, f"unknown program layout {header.programs!r}")
         return header
 
 
@@ -299,61 +224,61 @@ class LeafEntry:
     @classmethod
     def parse(cls, d: Any, where: str) -> LeafEntry:
         """Validate one leaf entry, its side arrays and its pieces."""
-        path = _path(_get(d, "path", list, where), where)
+        path = path_of(get(d, "path", list, where), where)
         lw = f"{where}: leaf {path_str(path)!r}"
-        storage = _get(d, "kind", str, lw)
+        storage = get(d, "kind", str, lw)
         if storage not in STORAGES:
-            raise _fail(lw, f"unknown storage {storage!r}")
-        shape = _shape(_get(d, "shape", list, lw), lw)
-        dtype = _dtype(_get(d, "dtype", str, lw), lw)
-        chunk = _shape(_get(d, "chunk", list, lw, list(shape) or []), lw, "chunk")
+            raise fail(lw, f"unknown storage {storage!r}")
+        shape = shape_of(get(d, "shape", list, lw), lw)
+        dtype = dtype_of(get(d, "dtype", str, lw), lw)
+        chunk = shape_of(get(d, "chunk", list, lw, list(shape) or []), lw, "chunk")
         if len(chunk) != len(shape) or any(c < 1 for c in chunk if shape):
-            raise _fail(lw, f"chunk {chunk} does not fit shape {shape}")
-        codec_config = _get(d, "codec", dict, lw)
+            raise fail(lw, f"chunk {chunk} does not fit shape {shape}")
+        codec_config = get(d, "codec", dict, lw)
         try:
             codec = codec_from_config(codec_config, lw)
         except LossyError:
             raise
         except Exception as e:  # a codec constructor rejecting odd values
-            raise _fail(lw, f"bad codec config {str(codec_config)[:200]} ({e})") from e
+            raise fail(lw, f"bad codec config {str(codec_config)[:200]} ({e})") from e
         side = {}
         side_bytes = 0
-        side_map = _get(d, "side", dict, lw, {})
+        side_map = get(d, "side", dict, lw, {})
         if len(side_map) > MAX_SIDE_ARRAYS:
-            raise _fail(lw, f"{len(side_map)} side arrays is more than any codec stores")
+            raise fail(lw, f"{len(side_map)} side arrays is more than any codec stores")
         for name, s in side_map.items():
             sw = f"{lw} side array {name!r}"
-            sd = _dtype(_get(s, "dtype", str, sw), sw)
-            sshape = _shape(_get(s, "shape", list, sw), sw)
-            data = _get(s, "data", bytes, sw)
+            sd = dtype_of(get(s, "dtype", str, sw), sw)
+            sshape = shape_of(get(s, "shape", list, sw), sw)
+            data = get(s, "data", bytes, sw)
             side_bytes += len(data)
             if len(data) != math.prod(sshape) * sd.itemsize or side_bytes > MAX_SIDE_BYTES:
-                raise _fail(sw, "has the wrong size")
+                raise fail(sw, "has the wrong size")
             if not isinstance(name, str):
-                raise _fail(sw, "side array name is not a string")
+                raise fail(sw, "side array name is not a string")
             side[name] = np.frombuffer(data, sd).reshape(sshape)
-        rel_error = _get(d, "rel_error", (float, int), lw, 0.0)
+        rel_error = get(d, "rel_error", (float, int), lw, 0.0)
         try:
             fields = codec.field_dtypes(dtype)
         except Exception as e:
-            raise _fail(lw, f"codec {codec_config.get('id')!r} cannot store dtype {dtype}") from e
+            raise fail(lw, f"codec {codec_config.get('id')!r} cannot store dtype {dtype}") from e
         if storage == "none" and (shape != (0,) or dtype != np.uint8):
-            raise _fail(lw, f"a None leaf has shape {shape} and dtype {dtype}")
+            raise fail(lw, f"a None leaf has shape {shape} and dtype {dtype}")
         if storage in HOST_STORAGES and codec.needs_reference:
-            raise _fail(lw, f"a {storage} leaf cannot be delta coded")
+            raise fail(lw, f"a {storage} leaf cannot be delta coded")
         if storage in ("scalar", "int", "float", "bool") and shape != ():
-            raise _fail(lw, f"a {storage} leaf has shape {shape}")
-        key_impl = _get(d, "key_impl", str, lw, None)
+            raise fail(lw, f"a {storage} leaf has shape {shape}")
+        key_impl = get(d, "key_impl", str, lw, None)
         if key_impl is not None and (storage != "device" or dtype != np.uint32
                                      or codec.needs_reference):
-            raise _fail(lw, f"a PRNG key leaf ({key_impl!r}) is {storage} {dtype} "
+            raise fail(lw, f"a PRNG key leaf ({key_impl!r}) is {storage} {dtype} "
                         f"coded with {codec_config.get('id')!r}")
-        pieces = tuple(PieceRef.from_msgpack(p, lw) for p in _get(d, "pieces", list, lw, []))
+        pieces = tuple(PieceRef.from_msgpack(p, lw) for p in get(d, "pieces", list, lw, []))
         for p in pieces:
             if p.field not in fields:
-                raise _fail(lw, f"piece of unknown field {p.field!r}")
+                raise fail(lw, f"piece of unknown field {p.field!r}")
             if not box_inside(p.box, shape) or (shape and not within_one_chunk(p.box, chunk)):
-                raise _fail(lw, f"piece box {p.box} lies outside the leaf or its chunk")
+                raise fail(lw, f"piece box {p.box} lies outside the leaf or its chunk")
         return cls(
             path=path,
             storage=storage,
@@ -363,10 +288,10 @@ class LeafEntry:
             codec_config=dict(codec_config),
             chunk=chunk,
             side=side,
-            role=_get(d, "role", str, lw, None),
+            role=get(d, "role", str, lw, None),
             rel_error=float(rel_error),
             pieces=pieces,
-            sharding=_sharding_string(_get(d, "sharding", str, lw, None), lw),
+            sharding=sharding_string(get(d, "sharding", str, lw, None), lw),
         )
 
     def check_coverage(self, where: str) -> None:
@@ -385,13 +310,13 @@ class LeafEntry:
             cells.setdefault((p.field, cell), []).append(p)
         for name, count in covered.items():
             if count != total:
-                raise _fail(
+                raise fail(
                     where, f"leaf {self.name!r} field {name!r} covers {count} of {total} elements"
                     " (a process did not write its shards)"
                 )
         for (name, _), group in cells.items():
             if len(group) > 1 and _overlap(group):
-                raise _fail(where, f"leaf {self.name!r} field {name!r}: two pieces overlap")
+                raise fail(where, f"leaf {self.name!r} field {name!r}: two pieces overlap")
 
 
 def _overlap(group: list[PieceRef]) -> bool:
@@ -431,24 +356,24 @@ class Manifest:
     @classmethod
     def parse(cls, body: Any, where: str) -> Manifest:
         """Validate a whole manifest body."""
-        leaves = _get(body, "leaves", list, where)
+        leaves = get(body, "leaves", list, where)
         if len(leaves) > MAX_LEAVES:
-            raise _fail(where, f"{len(leaves)} leaves is more than any writer produces")
+            raise fail(where, f"{len(leaves)} leaves is more than any writer produces")
         header = Header.parse(body, where)
         if header.chunk_bytes > MAX_CHUNK_BYTES:
-            raise _fail(where, f"chunk size {header.chunk_bytes} is larger than any we write")
+            raise fail(where, f"chunk size {header.chunk_bytes} is larger than any we write")
         parsed = tuple(LeafEntry.parse(leaf, where) for leaf in leaves)
         for leaf in parsed:
             # The grid follows from the shape: a claimed chunk cannot make a piece (and so
             # the memory a restore allocates for it) larger than the writer's chunks.
             expected = chunk_shape_for(leaf.shape, leaf.dtype.itemsize, header.chunk_bytes)
             if leaf.shape and leaf.chunk != expected:
-                raise _fail(where, f"leaf {leaf.name!r}: chunk {leaf.chunk} is not the grid "
+                raise fail(where, f"leaf {leaf.name!r}: chunk {leaf.chunk} is not the grid "
                             f"{expected} of its shape")
             leaf.check_coverage(where)
         manifest = cls(header, parsed)
         if len(manifest.index) != len(parsed):
-            raise _fail(where, "two leaves have the same path")
+            raise fail(where, "two leaves have the same path")
         return manifest
 
 
@@ -471,12 +396,3 @@ def write_manifest(item_dir: os.PathLike | str, manifest: Manifest) -> None:
     """Write ``<item_dir>/manifest.msgpack``."""
     write_envelope(os.path.join(os.fspath(item_dir), MANIFEST_NAME), "manifest",
                    manifest.to_msgpack())
-
-
-def pieces_by_field(leaf: LeafEntry) -> dict[str, list[PieceRef]]:
-    """A leaf's pieces grouped by field."""
-    out: dict[str, list[PieceRef]] = {}
-    for p in leaf.pieces:
-        out.setdefault(p.field, []).append(p)
-    return out
-
