@@ -175,8 +175,8 @@ def run(
     print(f"digits MLP, {optimizer}, whole TrainState (params + optimizer state + step), "
           f"{codecs}, a base every {base_interval} saves; raw state {raw} bytes")
     print(f"{'step':>6} {'type':>6} {'lossy B':>10} {'orbax B':>10} {'smaller':>8}")
-    for step, kind, lossy_b, plain_b in rows:
-        print(f"{step:>6} {kind:>6} {lossy_b:>10} {plain_b:>10} {plain_b / lossy_b:>7.1f}x")
+    for step, save_type, lossy_b, plain_b in rows:
+        print(f"{step:>6} {save_type:>6} {lossy_b:>10} {plain_b:>10} {plain_b / lossy_b:>7.1f}x")
     total_lossy = sum(r[2] for r in rows)
     total_plain = sum(r[3] for r in rows)
     deltas = [r for r in rows if r[1] == "delta"]

@@ -1,6 +1,6 @@
 """Pytree key paths: flatten a tree into (path, leaf) pairs and rebuild trees from paths.
 
-A path is stored on disk as a list of ``[kind, key]`` pairs, with kind ``"d"`` for a dict key
+A path is stored on disk as a list of ``[key type, key]`` pairs: ``"d"`` for a dict key
 (str or int), ``"s"`` for a sequence index, ``"a"`` for an attribute name and ``"i"`` for a
 flattened index. Restoring without a target tree rebuilds nested dicts (and lists for sequence
 keys), like Orbax does; restoring with a target tree matches leaves by path.
@@ -80,8 +80,8 @@ def build_nested(paths: Sequence[StoredPath], leaves: Sequence[Any]) -> Any:
 def _lists_from_sequence_dicts(root: dict[Any, Any], paths: Sequence[StoredPath]) -> Any:
     seq_prefixes = set()
     for path in paths:
-        for depth, (kind, _) in enumerate(path):
-            if kind == "s":
+        for depth, (key_type, _) in enumerate(path):
+            if key_type == "s":
                 seq_prefixes.add(tuple(k for _, k in path[:depth]))
 
     def convert(node: Any, prefix: tuple[Any, ...]) -> Any:
@@ -127,15 +127,15 @@ def _empty_nodes_of(treedef: Any) -> tuple[tuple[StoredPath, str], ...]:
         if not _is_empty_node(node):
             continue
         if isinstance(node, dict):
-            kind = "dict"
+            container = "dict"
         elif isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
-            kind = "list"
+            container = "list"
         else:
-            kind = "none"
-        out.append((encode_path(path), kind))
+            container = "none"
+        out.append((encode_path(path), container))
     return tuple(out)
 
 
-def empty_value(kind: str) -> Any:
-    """The value an empty node of ``kind`` restores as."""
-    return {} if kind == "dict" else [] if kind == "list" else None
+def empty_value(container: str) -> Any:
+    """The value an empty node restores as (``container`` from ``EMPTY_NODE_KINDS``)."""
+    return {} if container == "dict" else [] if container == "list" else None

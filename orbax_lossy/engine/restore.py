@@ -385,7 +385,7 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int) -> Rest
         empties = final.header.empty_nodes
         with stored_data(_where(final_dir, final)):
             tree = build_nested([leaf.path for leaf in chosen] + [p for p, _ in empties],
-                                out + [empty_value(kind) for _, kind in empties])
+                                out + [empty_value(container) for _, container in empties])
     else:
         restored = iter(out)
         tree = jax.tree_util.tree_unflatten(
@@ -422,9 +422,9 @@ def metadata_tree(manifest: Manifest, directory: os.PathLike | str) -> Any:
         if leaf.sharding is not None:
             with contextlib.suppress(Exception):  # unreadable: reported as unknown
                 sharding = sharding_metadata.from_serialized_string(leaf.sharding)
-        kind = (ocp_metadata.ScalarMetadata if leaf.storage in ("int", "float", "bool", "scalar")
-                else ocp_metadata.ArrayMetadata)
-        leaves.append(kind(name=leaf.name, directory=where, shape=shape, sharding=sharding,
+        scalar = leaf.storage in ("int", "float", "bool", "scalar")
+        metadata_cls = ocp_metadata.ScalarMetadata if scalar else ocp_metadata.ArrayMetadata
+        leaves.append(metadata_cls(name=leaf.name, directory=where, shape=shape, sharding=sharding,
                            dtype=dtype))
     paths: list[StoredPath] = [leaf.path for leaf in manifest.leaves]
     return tree_metadata.build_default_tree_metadata(build_nested(paths, leaves))

@@ -121,8 +121,8 @@ class Header:
         if self.extra_dependencies:
             out["extra_dependencies"] = list(self.extra_dependencies)
         if self.empty_nodes:
-            out["empty_nodes"] = [[[list(e) for e in path], kind]
-                                  for path, kind in self.empty_nodes]
+            out["empty_nodes"] = [[[list(e) for e in path], container]
+                                  for path, container in self.empty_nodes]
         return out
 
     @classmethod
