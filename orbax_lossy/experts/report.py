@@ -12,7 +12,8 @@ import numpy as np
 
 from orbax_lossy.errors import FormatError
 from orbax_lossy.experts import accounting
-from orbax_lossy.experts.partial import META_NAME, _Context, _find
+from orbax_lossy.experts.record import META_NAME, _find
+from orbax_lossy.experts.restore import _Context
 from orbax_lossy.format.manifest import read_manifest
 from orbax_lossy.format.steps import step_of
 
