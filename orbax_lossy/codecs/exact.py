@@ -14,15 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_lossy.codecs.base import (
-    Arrays,
-    CodecBase,
-    Encoded,
-    ErrorMeasure,
-    Estimate,
-    Field,
-    order0_entropy,
-)
+from orbax_lossy.codecs import base
+from orbax_lossy.codecs.base import Arrays, CodecBase, Encoded, Field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +39,12 @@ class Exact(CodecBase):
         """Field ``raw`` as ``dtype``."""
         return fields["raw"].astype(dtype)
 
-    def has_estimate(self, measure: ErrorMeasure) -> bool:
+    def has_estimate(self, measure: base.ErrorMeasure) -> bool:
         """Always: the estimate is analytic for every measure (no error)."""
         return True
 
-    def estimate(self, stats: Mapping[str, Any], n: int, dtype: np.dtype) -> Estimate:
+    def estimate(self, stats: Mapping[str, Any], n: int, dtype: np.dtype) -> base.Estimate:
         """``H(sign, exponent) + mantissa bits``, at most the raw width."""
         raw = 8.0 * np.dtype(dtype).itemsize
         mantissa = int(jnp.finfo(dtype).nmant)
-        return Estimate(min(raw, order0_entropy(stats["value_hist"]) + mantissa), 0.0)
+        return base.Estimate(min(raw, base.order0_entropy(stats["value_hist"]) + mantissa), 0.0)
