@@ -184,3 +184,24 @@ class LossyRestore(ocp.args.CheckpointArgs):
         from orbax_lossy.engine.targets import merge_restore_args
 
         return merge_restore_args(self.item, self.restore_args)
+
+
+def wrong_args(args: Any, expected: str) -> InvalidArgumentError:
+    """The error for Orbax's (or any other) args reaching the lossy handler."""
+    return InvalidArgumentError(
+        f"the lossy handler takes ol.{expected}(...), got {type(args).__name__} (same fields: "
+        f"item, save_args / restore_args, ...). To save an item with plain Orbax beside the "
+        "lossy one, name it: ol.checkpoint_manager(dir, items={'extra': "
+        "ocp.handlers.StandardCheckpointHandler()}) and save ocp.args.Composite(state="
+        "ol.LossySave(...), extra=ocp.args.StandardSave(...))"
+    )
+
+
+def check_handler_settings(base_interval: Any, chunk_bytes: int, reference_on_host: bool) -> None:
+    """Refuse ``LossyCheckpointHandler`` settings it cannot honour."""
+    if not isinstance(base_interval, int) or base_interval < 1:
+        raise InvalidArgumentError(f"base_interval must be an int >= 1, got {base_interval!r}")
+    if chunk_bytes < 1024:
+        raise InvalidArgumentError(f"chunk_bytes must be >= 1024, got {chunk_bytes}")
+    if reference_on_host and jax.process_count() > 1:
+        raise InvalidArgumentError("reference_on_host is only supported in one process")

@@ -14,11 +14,16 @@ import os
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_lossy.args import LossyRestore, LossySave, validate_item
+from orbax_lossy.args import (
+    LossyRestore,
+    LossySave,
+    check_handler_settings,
+    validate_item,
+    wrong_args,
+)
 from orbax_lossy.engine import restore as restoring
 from orbax_lossy.engine import save
 from orbax_lossy.engine.reference import (
@@ -28,7 +33,6 @@ from orbax_lossy.engine.reference import (
     choose_reference,
     restored_reference,
 )
-from orbax_lossy.errors import InvalidArgumentError
 from orbax_lossy.format import lock as writer_lock
 from orbax_lossy.format.manifest import DEFAULT_CHUNK_BYTES, read_manifest
 from orbax_lossy.format.steps import final_path
@@ -48,10 +52,8 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
       base_interval: a full lossless base every ``base_interval`` saves; saves in between
         are deltas against the reconstruction of the previous save.
       chunk_bytes: target size of a chunk of the fixed chunk grid (of the raw array).
-      reference_on_host: keep the reference reconstruction in host memory instead of on the
-        device (single-process only).
-      primary_host: the process that writes the manifest (match the manager's
-        ``MultiprocessingOptions.primary_host``).
+      reference_on_host: keep the reference in host memory (single-process only).
+      primary_host: the process that writes the manifest (as the manager's option).
       encode_threads: threads for entropy coding in the background commit.
       unmanaged_deltas: take deltas even where no ChainPreservationPolicy keeps the steps they
         depend on (by default such saves are self-contained bases, with a one-time warning;
@@ -72,12 +74,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         unmanaged_deltas: bool = False,
         partial_experts: Any = None,
     ) -> None:
-        if not isinstance(base_interval, int) or base_interval < 1:
-            raise InvalidArgumentError(f"base_interval must be an int >= 1, got {base_interval!r}")
-        if chunk_bytes < 1024:
-            raise InvalidArgumentError(f"chunk_bytes must be >= 1024, got {chunk_bytes}")
-        if reference_on_host and jax.process_count() > 1:
-            raise InvalidArgumentError("reference_on_host is only supported in one process")
+        check_handler_settings(base_interval, chunk_bytes, reference_on_host)
         self.policy: Policy = policy or LeafPolicy()
         self.base_interval = base_interval
         self.chunk_bytes = int(chunk_bytes)
@@ -129,7 +126,6 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         writer_lock.release(self)
         super().close()
 
-    # ------------------------------------------------------------------ save
 
     async def async_save(
         self, directory: epath.Path, args: LossySave
@@ -140,7 +136,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         """
         # 1. Validate.
         if not isinstance(args, LossySave):
-            raise _wrong_args(args, "LossySave")
+            raise wrong_args(args, "LossySave")
         item_dir = final_path(os.path.abspath(os.fspath(directory)))
         # One writer per root (orbax_lossy/format/lock.py): a second handler saving here fails.
         writer_lock.hold(self, item_dir, jax.process_index() == self.primary_host)
@@ -201,12 +197,8 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
     def _publish(self, request: save.SaveRequest, signature: Any,
                  encoded: save.EncodedSave) -> None:
         """Make the reconstruction of this save the reference of the next one."""
-        values = encoded.reconstruction
-        if self.reference_on_host:
-            values = [np.asarray(r) if r is not None else None for r in values]
-        header = encoded.header
-        self._store.put(Reference(request.item_dir, header.step, header.save_id,
-                                  header.chain_length, tuple(request.paths), signature, values))
+        self._store.put(save.next_reference(request, signature, encoded,
+                                            self.reference_on_host))
         self._last_save_stats = encoded.stats()
 
     def _write_files(self, directory: str, process: int, encoded: save.EncodedSave) -> None:
@@ -226,15 +218,8 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def save(self, directory: epath.Path, *args: Any, **kwargs: Any) -> None:
         """Synchronous save (used by a bare ``ocp.Checkpointer``)."""
+        asyncio.run(_wait_all(self.async_save(directory, *args, **kwargs)))
 
-        async def run() -> None:
-            futures = await self.async_save(directory, *args, **kwargs)
-            for f in futures or []:
-                f.result()
-
-        asyncio.run(run())
-
-    # ------------------------------------------------------------------ restore
 
     def metadata(self, directory: epath.Path) -> Any:
         """Orbax ``TreeMetadata`` of the saved item (shape, dtype, sharding per leaf)."""
@@ -244,7 +229,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         """Restore the item onto ``args.item`` (or nested dicts without a target)."""
         args = args if args is not None else LossyRestore()
         if not isinstance(args, LossyRestore):
-            raise _wrong_args(args, "LossyRestore")
+            raise wrong_args(args, "LossyRestore")
         self._store.wait(os.path.basename(final_path(os.fspath(directory))))
         if self.partial_experts is not None:  # partial experts: each from its newest holder
             tree = self.partial_experts.restore(self, directory, args)
@@ -266,14 +251,9 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
                                         set(restored.manifest.header.depends_on))
 
 
-def _wrong_args(args: Any, expected: str) -> InvalidArgumentError:
-    return InvalidArgumentError(
-        f"the lossy handler takes ol.{expected}(...), got {type(args).__name__} (same fields: "
-        f"item, save_args / restore_args, ...). To save an item with plain Orbax beside the "
-        "lossy one, name it: ol.checkpoint_manager(dir, items={'extra': "
-        "ocp.handlers.StandardCheckpointHandler()}) and save ocp.args.Composite(state="
-        "ol.LossySave(...), extra=ocp.args.StandardSave(...))"
-    )
+async def _wait_all(saving: Any) -> None:
+    for future in await saving or []:
+        future.result()
 
 
 ocp.args.register_with_handler(LossyCheckpointHandler, for_save=True)(LossySave)

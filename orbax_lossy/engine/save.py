@@ -96,6 +96,17 @@ def sharding_string(sharding: jax.sharding.Sharding) -> str | None:
     return None if meta is None else meta.to_serialized_string()
 
 
+def next_reference(request: SaveRequest, signature: Signature, encoded: EncodedSave,
+                   on_host: bool) -> Reference:
+    """The reference the next save of this item is encoded against: this reconstruction."""
+    values = encoded.reconstruction
+    if on_host:
+        values = [np.asarray(r) if r is not None else None for r in values]
+    header = encoded.header
+    return Reference(request.item_dir, header.step, header.save_id, header.chain_length,
+                     tuple(request.paths), signature, values)
+
+
 def save_id() -> str:
     """A random identifier that binds a delta to the exact save it was encoded against."""
     return secrets.token_hex(8)
