@@ -12,6 +12,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
+from nnx_models import Net, nnx_setup
 
 import orbax_lossy as ol
 from orbax_lossy.policy import leaf_role
@@ -57,35 +58,6 @@ def check_roles(saved, restored, recon, assert_bitwise, lossy_roles=("param",)):
 
 
 # ----------------------------------------------------------------------------- NNX
-
-
-class Net(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.l1 = nnx.Linear(8, 16, rngs=rngs)
-        self.bn = nnx.BatchNorm(16, rngs=rngs)
-        self.drop = nnx.Dropout(0.2, rngs=rngs)
-        self.l2 = nnx.Linear(16, 4, rngs=rngs)
-
-    def __call__(self, x):
-        return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
-
-
-def nnx_setup(tx):
-    model = Net(nnx.Rngs(0, dropout=1))
-    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    x = jax.random.normal(jax.random.key(2), (32, 8))
-    y = jax.random.randint(jax.random.key(3), (32,), 0, 4)
-
-    @nnx.jit
-    def step(model, opt):
-        def loss_fn(m):
-            return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        opt.update(model, grads)
-        return loss
-
-    return model, opt, step
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -11,6 +11,8 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
+from nnx_models import Net
+from nnx_models import nnx_setup as shared_nnx_setup
 
 import orbax_lossy as ol
 from orbax_lossy.policy import DEFAULT_ROLE_CODECS, leaf_roles, path_roles
@@ -133,33 +135,14 @@ def test_params_key_makes_other_float_leaves_state():
 # ----------------------------------------------------------------------------- NNX
 
 
-class Net(nnx.Module):
+class CountingNet(Net):
     def __init__(self, rngs: nnx.Rngs):
-        self.l1 = nnx.Linear(8, 16, rngs=rngs)
-        self.bn = nnx.BatchNorm(16, rngs=rngs)
-        self.drop = nnx.Dropout(0.2, rngs=rngs)
-        self.l2 = nnx.Linear(16, 4, rngs=rngs)
+        super().__init__(rngs)
         self.count = nnx.Variable(jnp.float32(0.0))  # a user variable: not a Param
-
-    def __call__(self, x):
-        return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
 
 
 def nnx_setup():
-    model = Net(nnx.Rngs(0, dropout=1))
-    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
-    x = jax.random.normal(jax.random.key(2), (32, 8))
-    y = jax.random.randint(jax.random.key(3), (32,), 0, 4)
-
-    @nnx.jit
-    def step(model, opt):
-        def loss_fn(m):
-            return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
-
-        grads = nnx.grad(loss_fn)(model)
-        opt.update(model, grads)
-
-    return model, opt, step
+    return shared_nnx_setup(optax.adamw(1e-2), CountingNet)
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -10,6 +10,7 @@ Subclassing registers the class, so a manifest's ``{"id": ..., **config}`` decod
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import importlib.metadata
 import math
@@ -202,7 +203,7 @@ def dataclass_config(codec: Any) -> dict[str, Any]:
     return {f.name: getattr(codec, f.name) for f in dataclasses.fields(codec)}
 
 
-class CodecBase:
+class CodecBase(abc.ABC):
     """Base class of a codec; subclasses are frozen dataclasses and register on definition.
 
     A subclass declares ``codec_id``, ``lossy``, ``needs_reference`` (class attributes or
@@ -245,9 +246,9 @@ class CodecBase:
 
     # ------------------------------------------------------------------ declared fields
 
+    @abc.abstractmethod
     def fields(self) -> dict[str, Field]:
         """The per-element fields the device encode returns, by name."""
-        raise NotImplementedError
 
     def field_dtypes(self, dtype: np.dtype) -> dict[str, np.dtype]:
         """The dtype of every declared field for a leaf of ``dtype``, by field name."""
@@ -261,14 +262,14 @@ class CodecBase:
 
     # ------------------------------------------------------------------ device half
 
+    @abc.abstractmethod
     def encode(self, value: jax.Array, reference: jax.Array | None) -> Encoded:
         """Device encode (traced): fields, side arrays and the reconstruction."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def decode(self, fields: Arrays, side: Arrays, reference: jax.Array | None,
                dtype: Any) -> jax.Array:
         """Device decode (traced): must reproduce ``encode``'s ``recon`` bit for bit."""
-        raise NotImplementedError
 
     def encoded(self, fields: Arrays, side: Arrays, reference: jax.Array | None,
                 dtype: Any) -> Encoded:
@@ -311,8 +312,10 @@ class CodecBase:
         return False
 
     def estimate(self, stats: Mapping[str, Any], n: int, dtype: np.dtype) -> Estimate:
-        """Analytic price from the policy's leaf statistics (keys: docs/adaptive.md)."""
-        raise NotImplementedError
+        """Analytic price from the policy's leaf statistics (keys: docs/adaptive.md); only
+        called when :meth:`has_estimate` is true, otherwise the policy runs a measured trial."""
+        raise CodecError(f"codec {self.codec_id!r} has no analytic estimate (has_estimate is "
+                         "False): price it with a measured trial")
 
     # ------------------------------------------------------------------ conformance
 
