@@ -236,9 +236,8 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             if tree is not NotImplemented:
                 return tree
         target = args.target()
-        if target is not None and not args.partial_restore:
-            restoring.check_complete_target(directory, target)
-        restored = restoring.restore_item(directory, target, self.encode_threads)
+        restored = restoring.restore_item(directory, target, self.encode_threads,
+                                          partial=args.partial_restore)
         self.last_restore_bytes_read = restored.bytes_read
         if restored.complete:
             self._adopt_reference(restored)

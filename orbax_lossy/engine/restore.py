@@ -259,29 +259,21 @@ def _match_targets(
     return selected, leaves, treedef
 
 
-def check_complete_target(item_dir: os.PathLike | str, target: Any) -> None:
-    """Raise unless ``target`` takes (or explicitly skips) every stored leaf, as Orbax does."""
-    missing = unrestored_leaves(item_dir, target)
+def _check_complete(item_dir: str, manifest: Manifest, target: Any,
+                    matched: list[int | None]) -> None:
+    """Raise unless ``target`` takes (or skips as ``PLACEHOLDER``) every stored leaf, as
+    Orbax does without ``partial_restore``; ``None`` leaves never count as missing."""
+    paths, leaves, _ = flatten(target)
+    skipped = {path_str(p) for p, leaf in zip(paths, leaves, strict=True) if leaf is PLACEHOLDER}
+    taken = set(matched)
+    missing = [leaf.name for j, leaf in enumerate(manifest.leaves)
+               if j not in taken and leaf.name not in skipped and leaf.storage != "none"]
     if missing:
         raise InvalidArgumentError(
-            f"the restore target lacks {len(missing)} stored leaves of {os.fspath(item_dir)} "
+            f"the restore target lacks {len(missing)} stored leaves of {item_dir} "
             f"(e.g. {missing[:3]}); pass LossyRestore(..., partial_restore=True) to restore "
             "only the target's leaves"
         )
-
-
-def unrestored_leaves(item_dir: os.PathLike | str, target: Any) -> list[str]:
-    """Stored leaves a restore onto ``target`` would leave out (for ``partial_restore``)."""
-    from orbax_lossy.format.manifest import read_manifest
-
-    with stored_data(os.fspath(item_dir)):
-        manifest = read_manifest(item_dir)
-    selected, _, _ = _match_targets(os.fspath(item_dir), manifest, target)
-    taken = {i for i in selected if i is not None}
-    placeholders = {path_str(p) for p, leaf in zip(*flatten(target)[:2], strict=True)
-                    if leaf is PLACEHOLDER}
-    return [leaf.name for j, leaf in enumerate(manifest.leaves)
-            if j not in taken and leaf.name not in placeholders and leaf.storage != "none"]
 
 
 def _decode_link(
@@ -346,13 +338,17 @@ def _decode_link(
     return out
 
 
-def restore_item(item_dir: os.PathLike | str, target: Any, threads: int) -> RestoredItem:
-    """Restore one item directory onto ``target`` (a tree, or None for nested dicts)."""
+def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
+                 partial: bool = True) -> RestoredItem:
+    """Restore one item directory onto ``target`` (a tree, or None for nested dicts); with
+    ``partial=False`` the target must take (or skip) every stored leaf."""
     item_dir = os.path.abspath(os.path.normpath(os.fspath(item_dir)))
     with stored_data(item_dir):
         chain = walk_chain(item_dir)
     final = chain[-1][1]
     matched, all_targets, treedef = _match_targets(item_dir, final, target)
+    if target is not None and not partial:
+        _check_complete(item_dir, final, target, matched)
     selected = [i for i in matched if i is not None]  # PLACEHOLDER targets are skipped
     chosen = [final.leaves[i] for i in selected]
     targets = [reading.with_saved_sharding(t, leaf) for t, leaf in zip(
