@@ -367,3 +367,55 @@ def test_varint_rejects_bad_encodings() -> None:
         varint.read_uvarint(b"\xff" * 9 + b"\x01", 0, "v")
     with pytest.raises(TruncatedError, match="lossless stream ends inside v"):
         varint.read_uvarint(b"\x81", 0, "v", stream="lossless stream")
+
+
+# ------------------------------------------------------------------ multi-code decoding
+
+
+def _tuple_stream_parts(data: bytes, n: int):
+    """The decoder's inputs for a TUPLE stream (mirrors ``stream._decode_tuple``)."""
+    from orbax_lossy.entropy import stream as S
+
+    buf = np.frombuffer(data, np.uint8)
+    assert buf[0] == S.MODE_TUPLE
+    _, pos = S._read_uvarint(buf, 1, "")
+    used, pos = S._read_symset(buf, pos)
+    k, pos = S._read_u8(buf, pos, "")
+    lens, pos = huffman.deserialize_lengths(buf, pos, used.size**k)
+    lut, bits = huffman.decode_table(lens)
+    total = -(-n // k)
+    units, offsets = S._read_blocks(buf, pos, total)
+    digits = np.arange(used.size**k)
+    expand = np.empty((used.size**k, k), np.uint8)
+    for j in range(k - 1, -1, -1):
+        expand[:, j] = used[digits % used.size]
+        digits //= used.size
+    return buf, offsets, lut, bits, expand, units, total
+
+
+@pytest.mark.parametrize("probs", [[1] * 8, [8, 4, 2, 1, 1], [3, 2, 1], [1] * 200,
+                                   0.8 ** np.arange(40)])
+def test_multi_code_decoder_matches_single_code_decoder(probs) -> None:
+    """The multi-code table changes speed only: same bytes and the same status as the
+    one-code-per-lookup kernel, on valid streams and on streams with flipped bits."""
+    rng = np.random.default_rng(len(probs))
+    sym = _iid(3, probs, n=200_003)
+    data = encode_symbols(sym)
+    assert data[0] == 2, "these distributions are coded in TUPLE mode"
+    buf, offsets, lut, bits, expand, units, total = _tuple_stream_parts(data, sym.size)
+    table = K.multi_code_table(lut, bits)
+    for trial in range(12):
+        damaged = buf.copy()
+        if trial:
+            for i in rng.integers(len(data) - int(offsets[-1] - offsets[0]), len(data), trial):
+                damaged[i] ^= np.uint8(1 << int(rng.integers(8)))
+        one, many = (np.zeros(total * expand.shape[1], np.uint8) for _ in range(2))
+        nb = offsets.size - 1
+        s1 = K.tuple_decode(damaged, offsets, lut, bits, expand, units, total, one, 0, nb)
+        s2 = K.tuple_decode_multi(damaged, offsets, lut, bits, *table, expand, units, total,
+                                  many, 0, nb)
+        assert s1 == s2
+        if s1 == K.STATUS_OK:
+            np.testing.assert_array_equal(one, many)
+            if not trial:
+                np.testing.assert_array_equal(one[: sym.size], sym)

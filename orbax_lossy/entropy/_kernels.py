@@ -53,6 +53,26 @@ def _run_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 RUN_BASE, RUN_EXTRA, RUN_CODE_OF = _run_tables()
 
 
+# ------------------------------------------------------------------------------- histograms
+
+
+@njit(nogil=True, cache=True)
+def byte_histogram(symbols: np.ndarray) -> np.ndarray:
+    """Counts of each byte value (``np.bincount(symbols, minlength=256)`` without widening
+    the input to int64 first; four interleaved tables hide the store-to-load dependency)."""
+    tables = np.zeros((4, 256), np.int64)
+    n = symbols.size
+    full = n - n % 4
+    for i in range(0, full, 4):
+        tables[0, symbols[i]] += 1
+        tables[1, symbols[i + 1]] += 1
+        tables[2, symbols[i + 2]] += 1
+        tables[3, symbols[i + 3]] += 1
+    for i in range(full, n):
+        tables[0, symbols[i]] += 1
+    return tables[0] + tables[1] + tables[2] + tables[3]
+
+
 # ------------------------------------------------------------------------------- tuple mode
 
 
@@ -139,6 +159,117 @@ def tuple_decode(
         buf = np.uint64(0)
         nbits = 0
         for _ in range(cnt):
+            s, ln, pos, buf, nbits = _read_code(data, pos, end, buf, nbits, lut, shift)
+            if ln == 0:
+                return STATUS_BAD_CODE
+            for j in range(k):
+                out[o + j] = expand[s, j]
+            o += k
+        status = _block_status(offsets[b], end, pos, nbits)
+        if status != STATUS_OK:
+            return status
+    return STATUS_OK
+
+
+#: bits of the multi-code lookup table of ``tuple_decode_multi`` (4096 entries)
+MULTI_BITS = 12
+#: the most codes one multi-code lookup decodes
+MULTI_CODES = 4
+
+
+@njit(nogil=True, cache=True)
+def multi_code_table(lut: np.ndarray, lut_bits: int):
+    """Per ``MULTI_BITS``-bit window: how many whole codes it starts with (at most
+    ``MULTI_CODES``), the bits they use and their symbols, decoded greedily with ``lut``.
+
+    A window whose first code is longer than the window (or no code) gets count 0, and the
+    decoder falls back to one ``lut`` lookup; so the table changes speed, never the result.
+    """
+    size = 1 << MULTI_BITS
+    counts = np.zeros(size, np.uint8)
+    used_bits = np.zeros(size, np.uint8)
+    symbols = np.zeros((size, MULTI_CODES), np.int32)
+    mask = (1 << MULTI_BITS) - 1
+    for v in range(size):
+        used = 0
+        c = 0
+        while c < MULTI_CODES:
+            rest = MULTI_BITS - used
+            if rest <= 0:
+                break
+            window = (v << used) & mask
+            if lut_bits <= MULTI_BITS:
+                peek = window >> (MULTI_BITS - lut_bits)
+            else:
+                peek = window << (lut_bits - MULTI_BITS)
+            e = lut[peek]
+            ln = e & 15
+            if ln == 0 or ln > rest:
+                break
+            symbols[v, c] = e >> 4
+            used += ln
+            c += 1
+        counts[v] = c
+        used_bits[v] = used
+    return counts, used_bits, symbols
+
+
+@njit(nogil=True, cache=True)
+def tuple_decode_multi(
+    data: np.ndarray,
+    offsets: np.ndarray,
+    lut: np.ndarray,
+    lut_bits: int,
+    counts: np.ndarray,
+    used_bits: np.ndarray,
+    symbols: np.ndarray,
+    expand: np.ndarray,
+    units_per_block: int,
+    total_units: int,
+    out: np.ndarray,
+    b0: int,
+    b1: int,
+) -> int:
+    """``tuple_decode`` with up to ``MULTI_CODES`` codes per lookup (``multi_code_table``);
+    bit-identical output and statuses, about twice as fast on skewed small alphabets."""
+    k = expand.shape[1]
+    shift = np.uint64(64 - lut_bits)
+    mshift = np.uint64(64 - MULTI_BITS)
+    for b in range(b0, b1):
+        pos = offsets[b]
+        end = offsets[b + 1]
+        u0 = b * units_per_block
+        remaining = min(units_per_block, total_units - u0)
+        o = u0 * k
+        buf = np.uint64(0)
+        nbits = 0
+        while remaining >= MULTI_CODES:
+            while nbits <= 56:
+                byte = data[pos] if pos < end else 0
+                buf |= np.uint64(byte) << np.uint64(56 - nbits)
+                pos += 1
+                nbits += 8
+            v = buf >> mshift
+            c = counts[v]
+            if c == 0:
+                s, ln, pos, buf, nbits = _read_code(data, pos, end, buf, nbits, lut, shift)
+                if ln == 0:
+                    return STATUS_BAD_CODE
+                for j in range(k):
+                    out[o + j] = expand[s, j]
+                o += k
+                remaining -= 1
+                continue
+            for i in range(c):
+                s = symbols[v, i]
+                for j in range(k):
+                    out[o + j] = expand[s, j]
+                o += k
+            ln = used_bits[v]
+            buf <<= np.uint64(ln)
+            nbits -= ln
+            remaining -= c
+        for _ in range(remaining):
             s, ln, pos, buf, nbits = _read_code(data, pos, end, buf, nbits, lut, shift)
             if ln == 0:
                 return STATUS_BAD_CODE

@@ -143,7 +143,7 @@ def order0_entropy_bits(symbols: np.ndarray) -> float:
     n = sym.size
     if n == 0:
         return 0.0
-    counts = np.bincount(sym, minlength=256)
+    counts = K.byte_histogram(sym)
     c = counts[counts > 0].astype(np.float64)
     return float(np.sum(c * np.log2(n / c)))
 
@@ -256,7 +256,7 @@ def encode_symbols(symbols: np.ndarray) -> bytes:
     n = sym.size
     if n == 0:
         return bytes([MODE_RAW]) + _uvarint(0)
-    counts = np.bincount(sym, minlength=256)
+    counts = K.byte_histogram(sym)
     if np.count_nonzero(counts) == 1:
         return bytes([MODE_CONST]) + _uvarint(n) + bytes([int(sym[0])])
     best = min(_candidate_plans(sym, counts), key=lambda p: p.size)
@@ -308,6 +308,12 @@ def _read_blocks(buf: np.ndarray, pos: int, total_units: int) -> tuple[int, np.n
     return units, offsets
 
 
+def _implied_mean_length(lens: np.ndarray) -> float:
+    """Mean code length under the distribution the lengths imply (``p = 2**-length``)."""
+    used = lens[lens > 0].astype(np.float64)
+    return float(np.sum(used * np.exp2(-used)) / max(np.sum(np.exp2(-used)), 1e-300))
+
+
 def _decode_tuple(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
     used, pos = _read_symset(buf, pos)
     m = used.size
@@ -326,8 +332,17 @@ def _decode_tuple(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
         digits //= m
     out = np.empty(total_units * k, np.uint8)
 
-    def kernel(b0: int, b1: int) -> int:
-        return K.tuple_decode(buf, offsets, lut, lut_bits, expand, units, total_units, out, b0, b1)
+    if _implied_mean_length(lens) <= K.MULTI_BITS / 2:  # >= 2 codes per lookup expected
+        counts, used_bits, codes = K.multi_code_table(lut, lut_bits)
+
+        def kernel(b0: int, b1: int) -> int:
+            return K.tuple_decode_multi(buf, offsets, lut, lut_bits, counts, used_bits, codes,
+                                        expand, units, total_units, out, b0, b1)
+    else:
+
+        def kernel(b0: int, b1: int) -> int:
+            return K.tuple_decode(buf, offsets, lut, lut_bits, expand, units, total_units, out,
+                                  b0, b1)
 
     _run_blocks(kernel, offsets.size - 1)
     return out[:n]
