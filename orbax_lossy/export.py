@@ -11,6 +11,7 @@ import numpy as np
 from orbax_lossy.engine.restore import restore_item
 from orbax_lossy.errors import InvalidArgumentError
 from orbax_lossy.format.locate import resolve_item_dir
+from orbax_lossy.format.steps import abspath, exists
 
 
 def _plain(value: Any) -> Any:
@@ -40,8 +41,8 @@ def export_step(
     import orbax.checkpoint as ocp
 
     item_dir = resolve_item_dir(source, step=step, item=item)
-    destination = os.path.abspath(os.fspath(destination))
-    if os.path.exists(destination) and not overwrite:
+    destination = abspath(destination)
+    if exists(destination) and not overwrite:
         raise InvalidArgumentError(f"{destination} exists; pass overwrite=True to replace it")
     tree = restore_item(item_dir, None, threads=min(4, os.cpu_count() or 1)).tree
     tree = jax.tree_util.tree_map(_plain, tree)

@@ -35,7 +35,7 @@ from orbax_lossy.engine.reference import (
 )
 from orbax_lossy.format import lock as writer_lock
 from orbax_lossy.format.manifest import DEFAULT_CHUNK_BYTES, read_manifest
-from orbax_lossy.format.steps import final_path
+from orbax_lossy.format.steps import abspath, final_path
 from orbax_lossy.policy import LeafPolicy, Policy
 from orbax_lossy.policy.roles import leaf_roles
 from orbax_lossy.treepaths import empty_nodes
@@ -137,7 +137,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         # 1. Validate.
         if not isinstance(args, LossySave):
             raise wrong_args(args, "LossySave")
-        item_dir = final_path(os.path.abspath(os.fspath(directory)))
+        item_dir = final_path(abspath(directory))  # abspath keeps gs:// and s3:// URIs
         # One writer per root (orbax_lossy/format/lock.py): a second handler saving here fails.
         writer_lock.hold(self, item_dir, jax.process_index() == self.primary_host)
         item = os.path.basename(item_dir)

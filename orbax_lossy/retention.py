@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -30,13 +29,13 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_lossy.errors import LossyError
-from orbax_lossy.format.manifest import read_manifest
+from orbax_lossy.format.locate import lossy_items
+from orbax_lossy.format.manifest import MANIFEST_NAME, read_manifest
+from orbax_lossy.format.steps import exists, is_remote, step_directories
 
 if TYPE_CHECKING:
     from orbax_lossy.handler import LossyCheckpointHandler
 
-MANIFEST_NAME = "manifest.msgpack"
-_TMP = ".orbax-checkpoint-tmp"
 _P = ocp.checkpoint_managers
 
 __all__ = [
@@ -48,32 +47,8 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- disk
-
-
-def step_directories(root: str | os.PathLike) -> dict[int, epath.Path]:
-    """Committed-looking step directories under ``root`` by step number."""
-    out: dict[int, epath.Path] = {}
-    path = epath.Path(root)
-    try:
-        children = list(path.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return out
-    for child in children:
-        if _TMP in child.name:
-            continue
-        m = re.search(r"(\d+)$", child.name)
-        if m and child.is_dir():
-            out[int(m.group(1))] = child
-    return out
-
-
-def lossy_items(step_dir: str | os.PathLike) -> list[epath.Path]:
-    """The item directories of a step that hold a lossy manifest."""
-    try:
-        children = list(epath.Path(step_dir).iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return [c for c in children if _TMP not in c.name and (c / MANIFEST_NAME).exists()]
+# Step directories and lossy items are found as everywhere else (orbax_lossy.format.steps and
+# .locate): local roots with OS calls, gs:// and s3:// roots through etils.epath.
 
 
 def dependencies_from_disk(
@@ -84,14 +59,15 @@ def dependencies_from_disk(
     Every item subdirectory holding a lossy manifest counts, unless ``item_names`` restricts
     the scan. Unreadable manifests count as no dependency (their step is not restorable anyway).
     """
-    step_path = epath.Path(step_dir)
+    step_path = os.fspath(step_dir)
     if item_names is None:
-        items = lossy_items(step_path)
+        items = list(lossy_items(step_path).values())
     else:
-        items = [step_path / n for n in item_names if (step_path / n / MANIFEST_NAME).exists()]
+        items = [os.path.join(step_path, n) for n in item_names
+                 if exists(os.path.join(step_path, n, MANIFEST_NAME))]
     deps: set[int] = set()
     for item in items:
-        deps.update(_manifest_dependencies(os.fspath(item)))
+        deps.update(_manifest_dependencies(item))
     return deps
 
 
@@ -103,12 +79,15 @@ _DEPENDENCY_CACHE_SIZE = 4096
 
 
 def _manifest_dependencies(item_dir: str) -> tuple[int, ...]:
-    """``depends_on`` of one item's manifest (cached by path, size and mtime)."""
-    try:
-        st = os.stat(os.path.join(item_dir, MANIFEST_NAME))
-        key = (item_dir, st.st_size, st.st_mtime_ns)
-    except OSError:  # not a local path (gs://, s3://): read it every time
-        key = None
+    """``depends_on`` of one item's manifest (cached by path, size and mtime; an object
+    store's manifest is read every time)."""
+    key = None
+    if not is_remote(item_dir):
+        try:
+            st = os.stat(os.path.join(item_dir, MANIFEST_NAME))
+            key = (item_dir, st.st_size, st.st_mtime_ns)
+        except OSError:  # missing: read_manifest says so
+            pass
     if key is not None and key in _DEPENDENCY_CACHE:
         return _DEPENDENCY_CACHE[key]
     try:
@@ -183,7 +162,7 @@ class ChainPreservationPolicy:
         return known, deps
 
     def dependencies(
-        self, step: int, step_dirs: Mapping[int, epath.Path] | None = None
+        self, step: int, step_dirs: Mapping[int, str] | None = None
     ) -> set[int]:
         """Steps that ``step`` directly depends on (memory of every handler, then disk)."""
         deps = self._memory(step)[1]
@@ -195,13 +174,13 @@ class ChainPreservationPolicy:
         return deps
 
     def dependency(
-        self, step: int, step_dirs: Mapping[int, epath.Path] | None = None
+        self, step: int, step_dirs: Mapping[int, str] | None = None
     ) -> int | None:
         """One dependency of ``step`` (backward compatible; see :meth:`dependencies`)."""
         deps = self.dependencies(step, step_dirs)
         return max(deps) if deps else None
 
-    def _uncertain(self, checkpoints: Sequence[Any], step_dirs: Mapping[int, epath.Path]) -> bool:
+    def _uncertain(self, checkpoints: Sequence[Any], step_dirs: Mapping[int, str]) -> bool:
         """Whether a step still in flight may depend on more than the handlers recorded.
 
         The handlers record the dependencies of every item they save. While a step is in

@@ -20,7 +20,7 @@ import numpy as np
 
 from orbax_lossy.errors import ChainError
 from orbax_lossy.format.manifest import MANIFEST_NAME
-from orbax_lossy.format.steps import root_key, root_of, step_of
+from orbax_lossy.format.steps import exists, root_key, root_of, step_of
 from orbax_lossy.treepaths import StoredPath
 
 Signature = tuple[tuple[tuple[int, ...], str] | None, ...]
@@ -75,7 +75,7 @@ def usable_reference(
     if root_of(ref.item_dir) != root_of(item_dir) or ref.item_dir == item_dir:
         return None
     # The reference must have been committed (a failed save leaves no manifest).
-    if not os.path.exists(os.path.join(ref.item_dir, MANIFEST_NAME)):
+    if not exists(os.path.join(ref.item_dir, MANIFEST_NAME)):
         return None
     return ref
 

@@ -25,7 +25,7 @@ from orbax_lossy.errors import ChainError, FormatError, InvalidArgumentError, Lo
 from orbax_lossy.format import payload
 from orbax_lossy.format.chain import walk_chain
 from orbax_lossy.format.manifest import HOST_STORAGES, LeafEntry, Manifest
-from orbax_lossy.format.steps import root_of
+from orbax_lossy.format.steps import abspath, root_of
 from orbax_lossy.treepaths import StoredPath, build_nested, empty_value, flatten, path_str
 
 PLACEHOLDER = ...  # ocp.PLACEHOLDER: a target leaf that is not restored
@@ -342,7 +342,7 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
                  partial: bool = True) -> RestoredItem:
     """Restore one item directory onto ``target`` (a tree, or None for nested dicts); with
     ``partial=False`` the target must take (or skip) every stored leaf."""
-    item_dir = os.path.abspath(os.path.normpath(os.fspath(item_dir)))
+    item_dir = abspath(item_dir)
     with stored_data(item_dir):
         chain = walk_chain(item_dir)
     final = chain[-1][1]

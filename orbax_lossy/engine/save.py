@@ -34,7 +34,7 @@ from orbax_lossy.codecs.exact import Exact
 from orbax_lossy.engine import device
 from orbax_lossy.engine.reference import Reference, Signature, delta_signature
 from orbax_lossy.errors import FormatError, LossyError
-from orbax_lossy.format import envelope, grid, payload
+from orbax_lossy.format import envelope, grid, payload, steps
 from orbax_lossy.format.manifest import (
     MANIFEST_NAME,
     Header,
@@ -160,7 +160,7 @@ def make_header(
         base_interval=base_interval,
         reference=None
         if ref is None
-        else ReferenceLink(os.path.relpath(ref.item_dir, item_dir), ref.step, ref.save_id),
+        else ReferenceLink(steps.relpath(ref.item_dir, item_dir), ref.step, ref.save_id),
         chunk_bytes=chunk_bytes,
         process_count=jax.process_count(),
         primary_host=primary_host,
@@ -375,7 +375,8 @@ def write_process_files(
 
 def merge_indexes(directory: str) -> Manifest:
     """Merge the per-process indexes into ``manifest.msgpack`` and remove them."""
-    names = sorted(n for n in os.listdir(directory) if re.fullmatch(r"index\.p\d+\.msgpack", n))
+    names = sorted(n for n in steps.listdir(directory)
+                   if re.fullmatch(r"index\.p\d+\.msgpack", n))
     bodies = [envelope.read_envelope(os.path.join(directory, n), "index") for n in names]
     primaries = [b for b in bodies if "header" in b]
     if len(primaries) != 1:
@@ -395,6 +396,6 @@ def merge_indexes(directory: str) -> Manifest:
         os.path.join(directory, MANIFEST_NAME), "manifest", manifest.to_msgpack()
     )
     for n in names:
-        os.remove(os.path.join(directory, n))
+        steps.remove(os.path.join(directory, n))
     return manifest
 

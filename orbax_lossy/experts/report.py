@@ -15,7 +15,7 @@ from orbax_lossy.experts import accounting
 from orbax_lossy.experts.record import META_NAME, _find
 from orbax_lossy.experts.restore import _Context
 from orbax_lossy.format.manifest import read_manifest
-from orbax_lossy.format.steps import step_of
+from orbax_lossy.format.steps import abspath, step_of
 
 
 def partial_experts_report(
@@ -32,7 +32,7 @@ def partial_experts_report(
     ``restores``, ``tokens_seen`` ``{group: int}``, ``full`` (this save holds every expert),
     ``cursor``, ``selection``, ``depends_on`` (steps a restore reads besides this one).
     """
-    item_dir = os.path.abspath(os.path.normpath(os.fspath(item_dir)))
+    item_dir = abspath(item_dir)
     manifest = read_manifest(item_dir)
     if _find(manifest, META_NAME) is None:
         raise FormatError(f"{item_dir} holds no partial-experts record (not a PEC save)")

@@ -2,8 +2,8 @@
 
 A link is accepted only if its manifest's step matches its directory, it is the step and the
 save its successor recorded, and its path stays inside the checkpoint root (relative,
-normalised, no symlink leaving the root). See ``docs/format.md`` for what is and is not
-detected.
+normalised, no symlink leaving the root; on an object store, where there are no symlinks,
+the check is lexical). See ``docs/format.md`` for what is and is not detected.
 """
 
 from __future__ import annotations
@@ -12,25 +12,28 @@ import os
 
 from orbax_lossy.errors import ChainError, FormatError, MissingStepError
 from orbax_lossy.format.manifest import MANIFEST_NAME, Manifest, read_manifest
-from orbax_lossy.format.steps import root_of, step_of
+from orbax_lossy.format.steps import abspath, inside, is_remote, lexists, normpath, root_of, step_of
 
 MAX_CHAIN = 100_000
 
 
-def _inside(path: str, root: str) -> bool:
-    return os.path.commonpath([path, root]) == root
+def _real_inside(target: str, root: str) -> bool:
+    """Whether ``target`` and its manifest stay in ``root`` with symlinks resolved (local)."""
+    if is_remote(root):  # object stores have no symlinks: the lexical check is the whole check
+        return True
+    real_root = os.path.realpath(root)
+    return (inside(os.path.realpath(target), real_root)
+            and inside(os.path.realpath(os.path.join(target, MANIFEST_NAME)), real_root))
 
 
 def reference_dir(item_dir: str, relpath: str, root: str) -> str:
     """The item directory a reference link names, confined to ``root``."""
-    if os.path.isabs(relpath) or "\x00" in relpath or relpath != os.path.normpath(relpath):
+    if (os.path.isabs(relpath) or "\x00" in relpath or is_remote(relpath)
+            or relpath != os.path.normpath(relpath)):
         raise ChainError(f"{item_dir}: reference path {relpath!r} is not a normalised "
                          "relative path")
-    target = os.path.normpath(os.path.join(item_dir, relpath))
-    real_root = os.path.realpath(root)
-    if (not _inside(target, root) or root_of(target) != root
-            or not _inside(os.path.realpath(target), real_root)
-            or not _inside(os.path.realpath(os.path.join(target, MANIFEST_NAME)), real_root)):
+    target = normpath(os.path.join(item_dir, relpath))
+    if not inside(target, root) or root_of(target) != root or not _real_inside(target, root):
         raise ChainError(f"{item_dir}: reference {relpath!r} leaves the checkpoint root {root} "
                          "(or is not an item directory of a step in it)")
     return target
@@ -38,13 +41,13 @@ def reference_dir(item_dir: str, relpath: str, root: str) -> str:
 
 def walk_chain(item_dir: os.PathLike | str) -> list[tuple[str, Manifest]]:
     """``(item dir, manifest)`` from the chain's base to ``item_dir``."""
-    current = os.path.abspath(os.path.normpath(os.fspath(item_dir)))
+    current = abspath(item_dir)
     root = root_of(current)
     chain: list[tuple[str, Manifest]] = []
     seen: set[str] = set()
     while True:
         manifest_path = os.path.join(current, MANIFEST_NAME)
-        if not os.path.lexists(manifest_path):
+        if not lexists(manifest_path):
             if chain:
                 prev = chain[-1][1].header
                 raise MissingStepError(

@@ -6,20 +6,20 @@ import os
 
 from orbax_lossy.errors import InvalidArgumentError
 from orbax_lossy.format.manifest import MANIFEST_NAME
-from orbax_lossy.format.steps import TMP_SUFFIX, step_directories
+from orbax_lossy.format.steps import TMP_SUFFIX, abspath, is_file, listdir, step_directories
 
 
 def lossy_items(step_dir: os.PathLike | str) -> dict[str, str]:
     """Item directories of a step that hold a committed lossy manifest, by item name."""
     step_dir = os.fspath(step_dir)
     try:
-        names = sorted(os.listdir(step_dir))
+        names = sorted(listdir(step_dir))
     except (FileNotFoundError, NotADirectoryError):
         return {}
     return {
         n: os.path.join(step_dir, n)
         for n in names
-        if TMP_SUFFIX not in n and os.path.isfile(os.path.join(step_dir, n, MANIFEST_NAME))
+        if TMP_SUFFIX not in n and is_file(os.path.join(step_dir, n, MANIFEST_NAME))
     }
 
 
@@ -36,8 +36,8 @@ def resolve_item_dir(
     A root resolves to ``step`` (default: the latest step holding a lossy item); a step
     directory to its lossy item (``item`` picks one when it holds several).
     """
-    path = os.path.abspath(os.fspath(path))
-    if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+    path = abspath(path)
+    if is_file(os.path.join(path, MANIFEST_NAME)):
         if step is not None or item is not None:
             raise InvalidArgumentError(f"{path} is an item directory: --step/--item do not apply")
         return path

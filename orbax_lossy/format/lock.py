@@ -13,6 +13,11 @@ root's lock, and only a second handler writing the *same* item is refused.
 A multi-process run (``jax.distributed``, several processes writing one root as *one*
 logical writer) takes the lock on its primary host only. ``flock`` is advisory and, on some
 network filesystems, local to one machine: it stops accidents, not a determined second writer.
+
+An object store (``gs://``, ``s3://``) has no file locks: there no lock file is written and no
+other process is refused. The in-process rule (one handler per item) still holds, and Orbax's
+own protocol still makes one primary host the only committer of a step; two *jobs* writing one
+bucket prefix are not detected (``docs/object_stores.md``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import weakref
 from typing import Any
 
 from orbax_lossy.errors import RootLockedError
-from orbax_lossy.format.steps import root_key, root_of
+from orbax_lossy.format.steps import is_remote, normpath, root_key, root_of
 
 LOCK_NAME = ".orbax-lossy.lock"
 
@@ -88,7 +93,7 @@ def hold(handler: Any, item_dir: os.PathLike | str, primary: bool = True) -> Non
     if not primary or fcntl is None:
         return
     item_dir = os.fspath(item_dir)
-    key, name = root_key(root_of(item_dir)), os.path.basename(os.path.normpath(item_dir))
+    key, name = root_key(root_of(item_dir)), os.path.basename(normpath(item_dir))
     owner = id(handler)
     with _lock:
         held = _by_root.get(key)
@@ -113,7 +118,13 @@ def hold(handler: Any, item_dir: os.PathLike | str, primary: bool = True) -> Non
 
 
 def _take(key: str, owner: int) -> _Held:
-    """Open and flock ``<key>/.orbax-lossy.lock`` (no other process may hold it)."""
+    """Open and flock ``<key>/.orbax-lossy.lock`` (no other process may hold it).
+
+    On an object store nothing is locked (no file is written): only this process's
+    one-handler-per-item rule applies there.
+    """
+    if is_remote(key):
+        return _Held(key, -1)
     path = os.path.join(key, LOCK_NAME)
     try:
         os.makedirs(key, exist_ok=True)

@@ -1,7 +1,9 @@
 """Payload files: each process appends encoded pieces to ``data.p<K>.bin``.
 
 A :class:`PieceRef` records where one piece (one chunk-grid cell of one field of one leaf)
-lives and its crc32; every read verifies size and checksum.
+lives and its crc32; every read verifies size and checksum. Local files are written, fsynced
+and read with OS calls; URIs (``gs://``, ``s3://``) through ``etils.epath`` (see
+``docs/object_stores.md``).
 """
 
 from __future__ import annotations
@@ -12,8 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from orbax_lossy.errors import ChecksumError, FormatError, TruncatedError
-from orbax_lossy.format.envelope import crc32, open_regular, read_at, regular_file_size
+from orbax_lossy.format.envelope import (
+    crc32,
+    open_for_writing,
+    read_range,
+    regular_file_size,
+)
 from orbax_lossy.format.grid import Box
+from orbax_lossy.format.steps import abspath, inside, is_remote
 
 _DATA_FILE = re.compile(r"data\.p\d{1,6}\.bin")
 
@@ -88,7 +96,8 @@ class PayloadWriter:
     def __init__(self, path: os.PathLike | str) -> None:
         self._path = os.fspath(path)
         self._name = os.path.basename(self._path)
-        self._file = open(self._path, "wb")  # noqa: SIM115 - closed in close()
+        self._remote = is_remote(self._path)
+        self._file = open_for_writing(self._path)  # closed in close()
         self._offset = 0
 
     def append(self, field: str, box: Box, payload: bytes) -> PieceRef:
@@ -104,9 +113,10 @@ class PayloadWriter:
         return self._offset
 
     def close(self) -> None:
-        """Flush, fsync and close the file."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        """Flush, fsync and close the file (an object store's upload completes on close)."""
+        if not self._remote:
+            self._file.flush()
+            os.fsync(self._file.fileno())
         self._file.close()
 
 
@@ -114,12 +124,17 @@ class PayloadReader:
     """Reads pieces back, verifying size and checksum; counts the bytes it read.
 
     Only regular files named ``data.p<K>.bin`` of the directory are opened; with ``root``,
-    a payload file whose real path (symlinks resolved) leaves ``root`` is refused.
+    a payload file whose real path (symlinks resolved) leaves ``root`` is refused. On an
+    object store (no symlinks) the check is lexical.
     """
 
     def __init__(self, directory: os.PathLike | str, root: os.PathLike | str | None = None) -> None:
         self._dir = os.fspath(directory)
-        self._root = None if root is None else os.path.realpath(os.fspath(root))
+        self._remote = is_remote(self._dir)
+        if root is None:
+            self._root = None
+        else:
+            self._root = abspath(root) if self._remote else os.path.realpath(os.fspath(root))
         self._sizes: dict[str, int] = {}
         self.bytes_read = 0
 
@@ -128,10 +143,11 @@ class PayloadReader:
             raise FormatError(f"{where}: piece file name {name!r} is not allowed")
         path = os.path.join(self._dir, name)
         if self._root is not None and name not in self._sizes:
-            real = os.path.realpath(path)
-            if os.path.commonpath([real, self._root]) != self._root:
+            real = abspath(path) if self._remote else os.path.realpath(path)
+            if not inside(real, self._root):
+                how = "" if self._remote else " (symlink)"
                 raise FormatError(f"{where}: payload file {path} leads outside the checkpoint "
-                                  f"root {self._root} (symlink)")
+                                  f"root {self._root}{how}")
         return path
 
     def file_size(self, name: str, where: str) -> int:
@@ -150,11 +166,7 @@ class PayloadReader:
             raise TruncatedError(
                 f"{where}: {path} has {size} bytes but a piece ends at {ref.offset + ref.length}"
             )
-        fd, _ = open_regular(path, f"{where}: payload file")
-        try:
-            data = read_at(fd, ref.offset, ref.length, path)
-        finally:
-            os.close(fd)
+        data = read_range(path, ref.offset, ref.length, f"{where}: payload file")
         self.bytes_read += len(data)
         if len(data) != ref.length:
             raise TruncatedError(f"{where}: short read from {path}")
