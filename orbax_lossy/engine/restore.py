@@ -328,7 +328,7 @@ def _decode_link(
         where = _where(link_dir, manifest, names[0] if len(names) == 1 else None)
         with stored_data(f"{where} (decoding {len(names)} device leaves)"):
             decoded = device.run_grouped(
-                device.decode_tree,
+                device.decode_owned_tree,  # the references are this restore's own values
                 manifest.header.programs == "per_leaf",
                 fields, sides, refs, plan=tuple(plan), dtypes=tuple(dtypes),
                 shardings=tuple(shardings),

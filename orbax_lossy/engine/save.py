@@ -238,7 +238,7 @@ def dispatch_encode(req: SaveRequest) -> Dispatched:
         plan[i] = codec
     device_leaves = [i for i, s in enumerate(storages) if s == "device"]
     encoded = device.run_grouped(
-        device.encode_tree,
+        device.encode_owned_tree,  # the inputs are handler-owned copies: donated
         bool(req.policy.plan_varies),
         [prepared[i] for i in device_leaves],
         [refs[i] for i in device_leaves],
@@ -295,7 +295,7 @@ def collect(req: SaveRequest, dispatched: Dispatched) -> EncodedSave:
             # (device.encode_tree): store this leaf exactly for this save (never garbage).
             codec, side, rel_error = Exact(), {}, 0.0
             host_fields[i] = {
-                "raw": [(box, np.asarray(d)) for box, d in _replica0_shards(prepared[i])]
+                "raw": [(box, np.asarray(d)) for box, d in _replica0_shards(encoded[j]["recon"])]
             }
         jobs.append(job(i, codec, side, host_fields.get(i, {}), rel_error))
     for i, storage in enumerate(storages):
