@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -48,9 +49,29 @@ def dir_bytes(path: str) -> int:
 
 
 def policies() -> dict[str, ol.LeafPolicy]:
-    # lossy: the default whole-state policy, with first moments LC-coded (not dropped)
+    # lossy: the default whole-state policy, with first moments LC-coded (not dropped);
+    # lossy-base: the same, and the engine bases (the run's first, full save) coded too:
+    # parameters by 8-bit k-means, first moments by direct 4-bit LC (instead of exact)
+    lossy = {"first_moment": ol.LC(bits=4)}
     return {"exact": ol.LeafPolicy.create(defaults={r: ol.Exact() for r in ROLES}),
-            "lossy": ol.LeafPolicy.create(defaults={"first_moment": ol.LC(bits=4)})}
+            "lossy": ol.LeafPolicy.create(defaults=lossy),
+            "lossy-base": ol.LeafPolicy.create(defaults=lossy, base_defaults={
+                "param": ol.Cluster(bits=8), "first_moment": ol.LC(bits=4, mode="direct")})}
+
+
+EXPERT = re.compile(r"moe/(w_in|b_in|w_out|b_out)(/value)?$")
+
+
+def breakdown(step_dir: str) -> dict[str, int]:
+    """Stored bytes of a save by part: expert / dense x role, the PEC record, and the files'
+    overhead (manifest, headers)."""
+    out: dict[str, int] = {}
+    for row in ol.checkpoint_stats(os.path.join(step_dir, "default")):
+        part = ("record" if "__pec__" in row["path"] else
+                f"{'expert' if EXPERT.search(row['path']) else 'dense'} {row['role']}")
+        out[part] = out.get(part, 0) + int(row["stored_bytes"])
+    out["files"] = dir_bytes(step_dir) - sum(out.values())
+    return out
 
 
 def groups_of(layers: int) -> list[str]:
@@ -95,7 +116,7 @@ def run(data, cfg, *, k: int, interval: int, storage: str, steps: int, fail_at: 
     model, opt = toy.build(data.vocab, **cfg)
     mngr = manager(pec)
     acc = np.zeros((layers, cfg["experts"]), np.int64)
-    save_bytes, partial_bytes, save_time = {}, [], 0.0
+    save_bytes, partial_bytes, save_time, parts = {}, [], 0.0, {}
     for step in range(1, fail_at + 1):
         _, counts = toy.train_step(model, opt, *data.batch(step, batch))
         acc += np.asarray(counts)
@@ -107,6 +128,7 @@ def run(data, cfg, *, k: int, interval: int, storage: str, steps: int, fail_at: 
             save_time += time.perf_counter() - t0
             acc[:] = 0
             save_bytes[step] = dir_bytes(os.path.join(directory, str(step)))
+            parts[step] = breakdown(os.path.join(directory, str(step)))
             if k < cfg["experts"]:
                 rep = ol.partial_experts_report(os.path.join(directory, str(step), "default"))
                 if not rep["full"]:
@@ -140,6 +162,8 @@ def run(data, cfg, *, k: int, interval: int, storage: str, steps: int, fail_at: 
         "bytes_per_process": mean, "save_seconds": save_time / max(1, len(save_bytes)),
         "restored_step": restored_step, "plt": report["plt"], "k_next": report["k_next"],
         "final_loss": valid_loss(model, data),
+        "first_save_parts": parts[min(parts)],
+        "last_save_parts": parts[max(parts)],
     }
 
 
@@ -148,17 +172,20 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="the whole grid of issue 13")
     parser.add_argument("--ks", type=int, nargs="+", default=None)
     parser.add_argument("--intervals", type=int, nargs="+", default=None)
-    parser.add_argument("--storages", nargs="+", default=None, choices=["exact", "lossy"])
+    parser.add_argument("--storages", nargs="+", default=None,
+                        choices=["exact", "lossy", "lossy-base"])
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--fail-at", type=int, default=None)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--base-interval", type=int, default=20)
     parser.add_argument("--dir", default=None)
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--parts", action="store_true",
+                        help="print the first and last save's bytes by part (x plain Orbax)")
     args = parser.parse_args()
     ks = args.ks or ([1, 2, 4, 8] if args.full else [2])
     intervals = args.intervals or ([10, 25] if args.full else [10])
-    storages = args.storages or ["exact", "lossy"]
+    storages = args.storages or ["exact", "lossy-base"]
     steps = args.steps or (400 if args.full else 250)
     fail_at = args.fail_at or int(steps * 0.65)
     cfg = {"context": 8, "d": 32, "h": 64, "experts": 8, "top_k": 2, "layers": 2}
@@ -192,6 +219,11 @@ def main() -> None:
                       f"{r['bytes_per_process']:>9.0f} {r['save_seconds']:>6.2f} "
                       f"{r['restored_step']:>7} {r['plt']:>7.2%} {r['k_next']:>6} "
                       f"{r['final_loss']:>7.4f} {r['gap']:>+7.2%}", flush=True)
+                if args.parts:
+                    for label in ("first_save_parts", "last_save_parts"):
+                        print(f"   {label}: " + ", ".join(
+                            f"{k} {v / r['plain_orbax_bytes']:.4f}"
+                            for k, v in sorted(r[label].items())), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

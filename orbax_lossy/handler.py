@@ -171,6 +171,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             storages=storages, key_impls=key_impls, ref=ref, header=header,
             policy=self.policy, chunk_bytes=self.chunk_bytes, primary_host=self.primary_host,
             roles=leaf_roles(args.item, keep_none=True),
+            unit_axes=pec.unit_axes(paths) if pec is not None else {},
         )
         # 4. Several processes: dispatch the device programs here, in one order everywhere.
         dispatched = save.dispatch_encode(request) if jax.process_count() > 1 else None

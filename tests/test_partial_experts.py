@@ -125,6 +125,11 @@ def test_sequential_round_robin_interleaved():
     assert selection.sequential(8, 2, 0, 1) == [2, 3]
     assert selection.sequential(8, 2, 1, 0) == [2, 3]
     assert selection.sequential(8, 3, 2, 0) == [0, 6, 7]
+    # over 2 expert-parallel shards (experts 0-3, 4-7): K/2 of each shard, rotating per shard
+    assert [selection.sequential(8, 2, c, 0, shards=2) for c in range(5)] == [
+        [0, 4], [1, 5], [2, 6], [3, 7], [0, 4]]
+    assert selection.sequential(8, 4, 0, 1, shards=2) == [2, 3, 6, 7]
+    assert selection.sequential(8, 2, 0, 0, shards=4) == [0, 1]  # K < shards: unbalanced
 
 
 def test_load_aware_top_k_ties_and_staleness():
@@ -138,6 +143,8 @@ def test_load_aware_top_k_ties_and_staleness():
     # staleness cap: expert 5 gets no tokens but must be saved after 4 saves
     stale = [0, 0, 0, 0, 0, 4, 0, 0]
     assert 5 in selection.load_aware(8, 2, unsaved, stale, 4)
+    # over 2 expert-parallel shards: the top K/2 of each shard
+    assert selection.load_aware(8, 2, unsaved, age, None, shards=2) == [2, 7]
 
 
 # --------------------------------------------------------------------------- storage and restore
@@ -223,8 +230,9 @@ def test_closed_loop_with_lossy_codecs(tmp_path, data, assert_bitwise):
     bit, across engine bases and deltas."""
     pec = PartialExperts(k=2, rules=RULES)
     policy = ol.LeafPolicy.create(defaults={**{r: ol.Exact() for r in ROLES},
-                                            "param": ol.LC(bits=3),
-                                            "first_moment": ol.LC(bits=4)})
+                                            "param": ol.Cluster(bits=3, mode="delta"),
+                                            "first_moment": ol.LC(bits=4),
+                                            "second_moment": ol.LC(bits=2, domain="log")})
     model, opt = build(data)
     mngr = manager(tmp_path, pec, policy, base_interval=5)
     handler = pec_handler(mngr)
@@ -288,6 +296,34 @@ def test_restore_reads_back_only_to_the_oldest_holder(tmp_path, data):
         for f in (tmp_path / str(s) / "default").glob("data.p*.bin"):
             f.unlink()
     restore(tmp_path, data, 12, PartialExperts(k=4, rules=RULES))
+
+
+def test_an_expert_from_an_old_step_reads_only_its_own_pieces(tmp_path, data):
+    """Slot pieces are cut per expert: restoring step 8 reads, from the full save at step 2,
+    only the pieces of the experts still restored from there (plus the step's PEC record)."""
+    from orbax_lossy.experts.record import META_NAME, _find
+    from orbax_lossy.format.manifest import read_manifest
+
+    mngr, _, _, _ = train(tmp_path, data, PartialExperts(k=2, rules=RULES), saves=4)
+    mngr.close()
+    _, pec, _ = restore(tmp_path, data, 8)
+    rep = pec.last_restore_report
+    old = {g: [e for e, s in enumerate(rep["expert_steps"][g]) if s == 2] for g in GROUPS}
+    assert old == {"blocks/0/moe": [6, 7], "blocks/1/moe": [0, 1]}
+    manifest = read_manifest(tmp_path / "2" / "default")
+    meta = partial_experts_report(tmp_path / "2" / "default")
+    record = sum(p.length for p in _find(manifest, META_NAME).pieces)
+    want, slot_total = 0, 0
+    for leaf in manifest.leaves:
+        name = leaf.name.removesuffix("/value")
+        if not is_expert(name):
+            continue
+        assert all(p.box[0][1] - p.box[0][0] == 1 for p in leaf.pieces)  # one expert a piece
+        slot_total += sum(p.length for p in leaf.pieces)
+        rows = [meta["held"][group_of(name)].index(e) for e in old[group_of(name)]]
+        want += sum(p.length for p in leaf.pieces if p.box[0][0] in rows)
+    assert rep["expert_bytes_read"][2] == record + want
+    assert 0.2 * slot_total < want < 0.3 * slot_total  # 2 of 8 experts
 
 
 def test_rotation_continues_after_restart(tmp_path, data):

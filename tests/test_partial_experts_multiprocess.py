@@ -1,6 +1,7 @@
-"""PEC in two JAX processes (``jax.distributed``, 4 fake CPU devices each, experts sharded over
-all 8 devices): both processes hold the same experts (the primary's selection), write their own
-pieces, and each restores every expert from its holder.
+"""PEC in two JAX processes (``jax.distributed``, 4 fake CPU devices each, the expert axis split
+over the two processes): both processes hold the same experts (the primary's selection), each
+writes only the held experts it owns (one of K=2), and each restores every expert from its
+holder.
 
 The test launches this file twice as a script (ranks 0 and 1); every subprocess has a hard
 timeout and is killed on the way out.
@@ -59,9 +60,17 @@ def test_both_processes_hold_the_same_experts(results):
 
 def test_each_process_writes_its_own_data_file(results):
     assert results[0]["data_files"] == ["data.p0.bin", "data.p1.bin"]
-    # Known limit (docs/partial_experts.md): the held slot is replicated along the expert axis,
-    # so replica 0 (process 0 here) writes it, not the processes owning the held experts.
-    assert results[0]["data_bytes"][0] > 0
+    assert results[0]["data_bytes"][0] > 0 and results[0]["data_bytes"][1] > 0
+
+
+def test_each_process_writes_only_the_held_experts_it_owns(results):
+    # experts 0-3 live on process 0, 4-7 on process 1; K=2 holds one expert per process
+    held = results[0]["held"]["moe"]
+    assert [e // 4 for e in held] == [0, 1]
+    full, part = results[0]["expert_bytes"]["1"], results[0]["expert_bytes"]["4"]
+    assert set(full) == set(part) == {"data.p0.bin", "data.p1.bin"}
+    for f in full:  # each process: 1 of its 4 experts, so about a quarter of its full save
+        assert 0.2 < part[f] / full[f] < 0.3, (f, part[f], full[f])
 
 
 def test_every_process_restores_the_oracle(results):
@@ -84,7 +93,7 @@ def _worker(rank: int, port: str, out: str) -> None:
     from orbax_lossy.policy.base import ROLES
 
     warnings.simplefilter("ignore")
-    mesh = Mesh(np.array(jax.devices()), ("expert",))
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("expert", "data"))
     shard = {"w": NamedSharding(mesh, P("expert", None, None)),
              "dense": NamedSharding(mesh, P())}
     shapes = {"w": (8, 6, 4), "dense": (6, 6)}
@@ -132,7 +141,18 @@ def _worker(rank: int, port: str, out: str) -> None:
         verdict = "dense differs"
     mngr.close()
     files = sorted(f for f in os.listdir(item) if f.startswith("data."))
+    from orbax_lossy.experts.record import _find
+    from orbax_lossy.format.manifest import read_manifest
+
+    expert_bytes: dict = {}
+    for s in (1, 4):
+        entry = _find(read_manifest(os.path.join(root, str(s), "default")), "params/moe/w")
+        per: dict = {}
+        for p in entry.pieces:
+            per[p.file] = per.get(p.file, 0) + p.length
+        expert_bytes[str(s)] = per
     result = {"held": rep["held"], "depends_on": rep["depends_on"], "oracle": verdict,
+              "expert_bytes": expert_bytes,
               "data_files": files,
               "data_bytes": [os.path.getsize(os.path.join(item, f)) for f in files]}
     with open(os.path.join(out, f"result.p{rank}.json"), "w") as f:

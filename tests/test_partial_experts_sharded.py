@@ -34,11 +34,27 @@ def test_rules_proposed_from_the_expert_mesh_axis(result):
                                        ["^params/blocks/0/moe/w_in$", 0]]
 
 
-def test_held_slot_keeps_the_other_axes_sharded(result):
-    # w_in [8, 16, 8] on P("expert", None, "data"): the [2, 16, 8] slot stays sharded on
-    # "data" along its last axis; only the expert axis (2 held of 8) is not split.
-    assert result["slot_spec"] == [None, None, "data"]
+def test_held_slot_is_cut_per_shard(result):
+    # w_in [8, 16, 8] on P("expert", None, "data") over 2 expert shards: K=2 is one held
+    # expert per shard, so the [2, 16, 8] slot keeps the leaf's sharding (expert axis too) and
+    # is cut on each device from its own rows: no collective in the compiled programs.
+    assert result["held_rows"] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # steps 2..5
+    assert result["slot_spec"] == ["expert", None, "data"]
+    assert result["slot_shard_experts"] == [1] * 8
+    assert result["take_collectives"] == [] and result["put_collectives"] == []
     assert result["mosaic_spec"] == ["expert", None, "data"]
+
+
+def test_each_stored_piece_is_one_expert(result):
+    # pieces are cut along the slot's expert axis: a restore reads one expert alone
+    assert result["piece_rows"] and all(n == 1 for n in result["piece_rows"])
+
+
+def test_fewer_held_experts_than_shards_fall_back_to_a_gather(result):
+    # K=2 over 8 expert shards cannot be balanced: the slot's expert axis is replicated and
+    # XLA moves the held rows (documented in docs/partial_experts.md)
+    assert result["fallback_spec"] == [None, None, None]
+    assert result["fallback_collectives"]
 
 
 def test_restore_oracle_on_the_saving_sharding(result):
@@ -65,12 +81,14 @@ def _main(out: str) -> None:
 
     import orbax_lossy as ol
     from orbax_lossy.experts import device_ops
+    from orbax_lossy.experts.record import _find
+    from orbax_lossy.format.manifest import read_manifest
     from orbax_lossy.policy.base import ROLES
     from orbax_lossy.treepaths import flatten, path_str
 
     warnings.simplefilter("ignore")
     assert len(jax.devices()) == 8
-    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("expert", "data"))
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("expert", "data"))
     specs = {"w_in": P("expert", None, "data"), "b_in": P("expert", None),
              "router": P(None, "data")}
     shapes = {"w_in": (8, 16, 8), "b_in": (8, 16), "router": (16, 8)}
@@ -94,9 +112,26 @@ def _main(out: str) -> None:
     state0 = make(0)
     res["rules"] = [list(r) for r in ol.rules_from_shardings(state0)]
     rules = [(r"moe/(w_in|b_in)$", 0)]
-    slot = device_ops.take(state0["params"]["blocks"][0]["moe"]["w_in"], np.array([[2, 3]]), 0,
-                           None)
+    collectives = ("all-gather", "all-reduce", "all-to-all", "collective-permute",
+                   "reduce-scatter", "collective-broadcast")
+    w0 = state0["params"]["blocks"][0]["moe"]["w_in"]
+    held = np.array([[0, 4]])
+    slot = device_ops.take(w0, held, 0, None)
     res["slot_spec"] = list(slot.sharding.spec) + [None] * (3 - len(slot.sharding.spec))
+    res["slot_shard_experts"] = [s.data.shape[0] for s in slot.addressable_shards]
+    res["take_collectives"] = [c for c in collectives
+                               if c in device_ops.take_hlo(w0, held, 0, None)]
+    res["put_collectives"] = [c for c in collectives
+                              if c in device_ops.put_hlo(w0, slot, held, 0, None)]
+    assert np.array_equal(np.asarray(slot), np.asarray(w0)[[0, 4]])
+    mesh8 = Mesh(np.array(jax.devices()), ("expert",))
+    w8 = jax.device_put(w0, NamedSharding(mesh8, P("expert")))
+    fallback = device_ops.take(w8, np.array([[2, 3]]), 0, None)
+    res["fallback_spec"] = list(fallback.sharding.spec) + [None] * (
+        3 - len(fallback.sharding.spec))
+    res["fallback_collectives"] = [c for c in collectives if c in device_ops.take_hlo(
+        w8, np.array([[2, 3]]), 0, None)]
+    assert np.array_equal(np.asarray(fallback), np.asarray(w0)[[2, 3]])
     exact = ol.LeafPolicy.create(defaults={r: ol.Exact() for r in ROLES})
 
     root = os.path.join(out, "exact")
@@ -108,6 +143,10 @@ def _main(out: str) -> None:
         mngr.save(step, args=ol.LossySave(st))
         mngr.wait_until_finished()
         states[step] = flat(st)
+    res["held_rows"] = [ol.partial_experts_report(os.path.join(root, str(s), "default"))[
+        "held"]["blocks/0/moe"] for s in (2, 3, 4, 5)]
+    entry = _find(read_manifest(os.path.join(root, "3", "default")), "params/blocks/0/moe/w_in")
+    res["piece_rows"] = [p.box[0][1] - p.box[0][0] for p in entry.pieces]
     mosaic = pec.mosaic()
     spec = next(v for v in mosaic.values() if v.ndim == 3).sharding.spec  # a w_in
     res["mosaic_spec"] = list(spec) + [None] * (3 - len(spec))

@@ -179,3 +179,26 @@ def assemble_field(
                             where)
 
     return jax.make_array_from_callback(shape, sharding, callback)
+
+
+def read_regions(
+    reader, pieces, codec, field, dtype, shape, regions, where, threads
+) -> np.ndarray:
+    """A host array of ``shape`` holding ``field`` in ``regions`` (zeros elsewhere), read from
+    the pieces that overlap them only (each piece read and decoded once, on ``threads``)."""
+    out = np.zeros(tuple(shape), dtype)
+    needed = {}
+    for p in pieces:
+        if p.field == field and any(grid.intersect(p.box, r) is not None for r in regions):
+            needed[(p.file, p.offset)] = p
+    cache: dict[tuple[str, int], np.ndarray] = {}
+    if len(needed) > 1 and threads > 1:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            decoded = pool.map(
+                lambda p: decode_piece(reader, p, codec, field, dtype, where), needed.values()
+            )
+            cache.update(zip(needed.keys(), decoded, strict=True))
+    for region in regions:
+        out[tuple(slice(a, b) for a, b in region)] = read_region(
+            reader, list(needed.values()), codec, field, dtype, region, cache, where)
+    return out

@@ -194,6 +194,8 @@ class SaveRequest:
     chunk_bytes: int
     primary_host: int
     roles: Sequence[str] | None = None  # per leaf, from the framework (policy.roles)
+    # per leaf index, axes its pieces are cut along per index (partial experts' slots)
+    unit_axes: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -259,9 +261,9 @@ def collect(req: SaveRequest, dispatched: Dispatched) -> EncodedSave:
     host_fields: dict[int, dict[str, HostShards]] = {}
     for j, i in enumerate(device_leaves):
         for name, arr in encoded[j]["fields"].items():
-            host_fields.setdefault(i, {})[name] = [
+            host_fields.setdefault(i, {})[name] = grid.split_units([
                 (box, np.asarray(d)) for box, d in _replica0_shards(arr)
-            ]
+            ], req.unit_axes.get(i, ()))
     flags = jax.device_get([(e["safe"], e["rel_error"], e["side"]) for e in encoded])
 
     def job(i: int, codec: Codec, side: dict, shards: dict[str, HostShards], err: float):
@@ -294,9 +296,9 @@ def collect(req: SaveRequest, dispatched: Dispatched) -> EncodedSave:
             # Non-finite input, delta or reconstruction, or a sign-breaking reconstruction
             # (device.encode_tree): store this leaf exactly for this save (never garbage).
             codec, side, rel_error = Exact(), {}, 0.0
-            host_fields[i] = {
-                "raw": [(box, np.asarray(d)) for box, d in _replica0_shards(encoded[j]["recon"])]
-            }
+            host_fields[i] = {"raw": grid.split_units(
+                [(box, np.asarray(d)) for box, d in _replica0_shards(encoded[j]["recon"])],
+                req.unit_axes.get(i, ()))}
         jobs.append(job(i, codec, side, host_fields.get(i, {}), rel_error))
     for i, storage in enumerate(storages):
         if storage != "device":

@@ -1,26 +1,91 @@
 """Cutting held experts out of a stacked leaf and putting reconstructions back, on device.
 
 Layout: the expert axis ``a`` (and layer axis ``b``) stay where they are; a slot holds
-``slot[.., j @ a, .., l @ b, ..] = x[.., held[l, j] @ a, .., l @ b, ..]``. The slot keeps the
-leaf's sharding except along the expert axis (K held experts rarely divide the mesh axis).
+``slot[.., j @ a, .., l @ b, ..] = x[.., held[l, j] @ a, .., l @ b, ..]`` (``held[l]`` sorted).
+
+Two programs, chosen per leaf and save:
+
+* **Shard-local** (:func:`local_plan` is not None): the expert axis is split over ``P`` shards
+  of a :class:`~jax.sharding.NamedSharding` and every shard holds ``K / P`` of the held experts
+  of every layer (the balanced selection of :mod:`orbax_lossy.experts.selection` makes it so
+  when ``P`` divides K and N). The slot keeps the leaf's sharding *including* the expert axis
+  (``K / P`` rows per shard) and is cut inside :func:`jax.shard_map` from each shard's own
+  rows: no collective, each device (so each process) holds, encodes and writes exactly the
+  held experts it owns.
+* **Gathered** (otherwise: K < P, an unbalanced load-aware choice, an unsharded or
+  single-device leaf): the slot keeps the leaf's sharding except along the expert axis, which
+  is replicated; with a sharded expert axis XLA moves the held rows between devices.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
-def slot_sharding(x: jax.Array, axis: int):
-    """The slot's sharding: the leaf's, with the expert axis unsharded (None: let XLA pick)."""
+def _spec(sharding: NamedSharding, ndim: int) -> list:
+    return list(sharding.spec) + [None] * (ndim - len(sharding.spec))
+
+
+def _names(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def expert_shards(x, axis: int) -> int:
+    """How many shards the expert axis of ``x`` is split into (1: not split)."""
     sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
+    if not isinstance(sharding, NamedSharding):
+        return 1
+    names = _names(_spec(sharding, x.ndim)[axis])
+    return math.prod(sharding.mesh.shape[n] for n in names)
+
+
+def local_plan(x, held: np.ndarray, axis: int, layer: int | None) -> np.ndarray | None:
+    """Per-shard local indices ``int [P, L, K/P]`` when the cut can be shard-local, else None.
+
+    Shard ``p`` of the expert axis owns experts ``[p N/P, (p+1) N/P)``; the cut is local when
+    it owns exactly ``K / P`` held experts of every layer row.
+    """
+    parts = expert_shards(x, axis)
+    if parts <= 1:
+        return None
+    n = int(x.shape[axis])
+    held = np.asarray(held, np.int64)
+    k = held.shape[1]
+    if n % parts or k % parts:
+        return None
+    per, kp = n // parts, k // parts
+    out = np.empty((parts, held.shape[0], kp), np.int32)
+    for row, h in enumerate(held):
+        if np.any(np.diff(h) <= 0):
+            return None
+        owner = h // per
+        if not np.array_equal(owner, np.repeat(np.arange(parts), kp)):
+            return None
+        out[:, row, :] = (h % per).reshape(parts, kp)
+    if layer is not None and held.shape[0] != x.shape[layer]:
+        return None
+    return out
+
+
+def slot_sharding(x: jax.Array, axis: int, local: bool = False):
+    """The slot's sharding: the leaf's (``local``), or with the expert axis unsharded (None:
+    let XLA pick)."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        if local:
+            return sharding
+        spec = _spec(sharding, x.ndim)
         spec[axis] = None
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+        return NamedSharding(sharding.mesh, P(*spec))
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         return sharding
     return None
@@ -56,33 +121,93 @@ def _program(fn, out_sharding):
     return jax.jit(fn, static_argnames=("axis", "layer"), out_shardings=out_sharding)
 
 
+@functools.lru_cache(maxsize=256)
+def _local_program(kind: str, mesh, spec, idx_spec, axis: int, layer: int | None):
+    """``take``/``put`` run per shard on its own rows (``idx``: that shard's local indices)."""
+    if kind == "take":
+        def take_body(x, idx):
+            return _take(x, idx[0], axis, layer)
+
+        return jax.jit(jax.shard_map(take_body, mesh=mesh, in_specs=(spec, idx_spec),
+                                     out_specs=spec))
+
+    def put_body(x, slot, idx):
+        return _put(x, slot, idx[0], axis, layer)
+
+    return jax.jit(jax.shard_map(put_body, mesh=mesh, in_specs=(spec, spec, idx_spec),
+                                 out_specs=spec))
+
+
 def _replicated_like(sharding, value):
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.device_put(value, jax.sharding.NamedSharding(sharding.mesh,
-                                                                jax.sharding.PartitionSpec()))
+    if isinstance(sharding, NamedSharding):
+        return jax.device_put(value, NamedSharding(sharding.mesh, P()))
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         return jax.device_put(value, sharding)
     return value
 
 
-def take(x: jax.Array, held: np.ndarray, axis: int, layer: int | None) -> jax.Array:
-    """The held experts of ``x`` (``held``: int [layers, K])."""
+def _local_index(x, plan: np.ndarray, axis: int, layer: int | None):
+    sharding = x.sharding
+    spec = _spec(sharding, x.ndim)
+    idx_spec = P(spec[axis], None if layer is None else spec[layer], None)
+    idx_sharding = NamedSharding(sharding.mesh, idx_spec)
+    idx = jax.make_array_from_callback(plan.shape, idx_sharding, lambda i: plan[i])
+    return idx, idx_spec
+
+
+def _take_call(x, held, axis, layer):
+    plan = local_plan(x, held, axis, layer)
+    if plan is not None:
+        idx, idx_spec = _local_index(x, plan, axis, layer)
+        fn = _local_program("take", x.sharding.mesh, x.sharding.spec, idx_spec, axis, layer)
+        return fn, (x, idx), {}
     out = slot_sharding(x, axis)
     idx = _replicated_like(out, jnp.asarray(held, jnp.int32))
-    return _program(_take, out)(x, idx, axis=axis, layer=layer)
+    return _program(_take, out), (x, idx), {"axis": axis, "layer": layer}
 
 
-def put(x: jax.Array, slot: jax.Array, held: np.ndarray, axis: int,
-        layer: int | None) -> jax.Array:
-    """``x`` with its held experts replaced by ``slot`` (same sharding as ``x``)."""
+def take(x: jax.Array, held: np.ndarray, axis: int, layer: int | None) -> jax.Array:
+    """The held experts of ``x`` (``held``: int [layers, K], rows sorted)."""
+    fn, args, kw = _take_call(x, held, axis, layer)
+    return fn(*args, **kw)
+
+
+def take_hlo(x: jax.Array, held: np.ndarray, axis: int, layer: int | None) -> str:
+    """The compiled HLO text of the program :func:`take` runs (tests look for collectives)."""
+    fn, args, kw = _take_call(x, held, axis, layer)
+    return fn.lower(*args, **kw).compile().as_text()
+
+
+def _put_call(x, slot, held, axis, layer):
+    plan = local_plan(x, held, axis, layer)
+    if plan is not None:
+        if slot.sharding != x.sharding:
+            slot = jax.device_put(slot, x.sharding)
+        idx, idx_spec = _local_index(x, plan, axis, layer)
+        fn = _local_program("put", x.sharding.mesh, x.sharding.spec, idx_spec, axis, layer)
+        return fn, (x, slot, idx), {}
     sharding = getattr(x, "sharding", None)
-    if not isinstance(sharding, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding)):
+    if not isinstance(sharding, (NamedSharding, jax.sharding.SingleDeviceSharding)):
         sharding = None
     s_sh = slot_sharding(x, axis)
     if s_sh is not None:
         slot = jax.device_put(slot, s_sh)
     idx = _replicated_like(sharding, jnp.asarray(held, jnp.int32))
-    return _program(_put, sharding)(x, slot, idx, axis=axis, layer=layer)
+    return _program(_put, sharding), (x, slot, idx), {"axis": axis, "layer": layer}
+
+
+def put(x: jax.Array, slot: jax.Array, held: np.ndarray, axis: int,
+        layer: int | None) -> jax.Array:
+    """``x`` with its held experts replaced by ``slot`` (same sharding as ``x``)."""
+    fn, args, kw = _put_call(x, slot, held, axis, layer)
+    return fn(*args, **kw)
+
+
+def put_hlo(x: jax.Array, slot: jax.Array, held: np.ndarray, axis: int,
+            layer: int | None) -> str:
+    """The compiled HLO text of the program :func:`put` runs."""
+    fn, args, kw = _put_call(x, slot, held, axis, layer)
+    return fn.lower(*args, **kw).compile().as_text()
 
 
 def expert_slices(slot: jax.Array, axis: int, layer: int | None) -> jax.Array:

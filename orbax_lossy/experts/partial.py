@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -87,6 +88,17 @@ class PreparedSave:
                 return held  # the tree changed: let the handler decide (a base)
         return dataclasses.replace(held, paths=tuple(paths), signature=tuple(sig),
                                    values=values)
+
+    def unit_axes(self, paths: Sequence[StoredPath]) -> dict[int, tuple[int, ...]]:
+        """Per saved leaf index, the axes its pieces are cut along per index: a slot's expert
+        (and layer) axis, so that every stored piece belongs to one expert of one layer."""
+        out: dict[int, tuple[int, ...]] = {}
+        for i, p in enumerate(paths):
+            slot = self.slots.get(path_str(p))
+            if slot is not None:
+                _, axis, layer = slot
+                out[i] = (axis,) if layer is None else (axis, layer)
+        return out
 
     def publish(self, reference: Any) -> None:
         """Fold this save's reconstruction of the held experts into the mosaic."""
@@ -220,15 +232,16 @@ class PartialExperts(_RestoreSide):
             c = st.counts[g.name]
             accounting.add_tokens(c, None if tokens is None else tokens.get(g.name), g.name)
             k = min(st.k, g.n)
+            shards = _group_shards(g, leaves, k)
             rows = []
             for layer in range(g.layers):
                 if full or k >= g.n:
                     rows.append(list(range(g.n)))
                 elif self.selection == "sequential":
-                    rows.append(selection.sequential(g.n, k, st.cursor, position))
+                    rows.append(selection.sequential(g.n, k, st.cursor, position, shards))
                 else:
                     rows.append(selection.load_aware(g.n, k, c.unsaved[layer], c.age[layer],
-                                                     self.max_staleness))
+                                                     self.max_staleness, shards))
                 position += 1
             held[g.name] = np.asarray(rows, np.int64)
         if jax.process_count() > 1:  # every process follows the primary's selection
@@ -371,6 +384,21 @@ class PartialExperts(_RestoreSide):
         return dict(st.mosaic)
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _group_shards(g: Any, leaves: Sequence[Any], k: int) -> int:
+    """Expert shards to balance the held experts over (1: none): the least common multiple of
+    the group's stacked leaves' expert-axis splits, if it divides N and K, else the largest
+    single split that does (the other leaves are then cut gathered)."""
+    splits = {ops.expert_shards(leaves[u.leaf], u.expert_axis) for u in g.units
+              if u.kind == "stacked"} - {1}
+    if not splits:
+        return 1
+    lcm = math.lcm(*splits)
+    if selection.balanced(g.n, k, lcm):
+        return lcm
+    fits = [p for p in splits if selection.balanced(g.n, k, p)]
+    return max(fits, default=1)
 
 
 def _jsonable(x: Any) -> Any:

@@ -96,8 +96,18 @@ class _RestoreSide:
         out: list[Any] = [None] * len(orig_paths)
         for i in plain:
             out[i] = got[prefix + names[i]]
-        # 3. Experts from their newest holders.
+        # 3. Experts from their newest holders (first: which rows of which slots are needed,
+        #    so that a slot is read and decoded once, for those rows only).
         step = step_of(item_dir)
+        for g in layout.groups.values():
+            holder = np.asarray(groups[g.name]["holder"], np.int64)
+            for unit in g.units:
+                name = prefix + (names[unit.leaf] if unit.kind == "stacked"
+                                 else path_str(unit.slot_path))
+                for e in range(g.n):
+                    for layer in range(g.layers if unit.kind == "stacked" else 1):
+                        if holder[layer, e] >= 0:
+                            ctx.need(g.name, name, layer, e, int(holder[layer, e]))
         raw_mosaic: dict[str, Any] = {}
         for g in layout.groups.values():
             rec = groups[g.name]
@@ -154,6 +164,7 @@ class _RestoreSide:
             handler._adopt_reference(dataclasses.replace(restored, values=values, complete=True))
         report = self._adopt_state(os.path.basename(item_dir), meta, layout, raw_mosaic,
                                    complete)
+        report["expert_bytes_read"] = dict(sorted(ctx.step_bytes.items()))
         self.last_restore_report = report
         return tree
 
@@ -272,6 +283,8 @@ class _Context:
         self._manifests: dict[int | None, Manifest] = {}
         self._metas: dict[int | None, dict[str, Any]] = {}
         self._slots: dict[tuple[int | None, str], jax.Array] = {}
+        self._need: dict[tuple[int, str], set[tuple[int, int]]] = {}
+        self.step_bytes: dict[int, int] = {}  # bytes read per step (records and slots)
 
     def dir_of(self, step: int | None, group: str, expert: int) -> str:
         if step == step_of(self.item_dir):
@@ -307,27 +320,73 @@ class _Context:
             raw = reading.read_region(reader, entry.pieces, entry.codec, "raw", entry.dtype,
                                       tuple((0, n) for n in entry.shape), {},
                                       f"{d}: {META_NAME}")
-            self.bytes_read[0] += reader.bytes_read
+            self._count(step, reader.bytes_read)
             self._metas[step] = json.loads(bytes(np.asarray(raw, np.uint8)).decode())
         return self._metas[step]
 
-    def _decode(self, step: int, name: str, group: str, expert: int,
-                ref: Callable[[], jax.Array] | None) -> jax.Array:
-        """Decode leaf ``name`` of ``step`` (``ref()`` builds its reference if needed)."""
-        manifest = self.manifest(step, group, expert)
-        entry = _find(manifest, name)
+    def _count(self, step: int | None, n: int) -> None:
+        self.bytes_read[0] += n
+        if step is not None:
+            self.step_bytes[step] = self.step_bytes.get(step, 0) + n
+
+    def _entry(self, step: int, name: str, group: str, expert: int):
+        entry = _find(self.manifest(step, group, expert), name)
         if entry is None:
             raise ChainError(f"group {group!r}: step {step} holds expert {expert} but has no "
                              f"leaf {name!r}")
+        return entry
+
+    def _row(self, group: str, name: str, layer: int, e: int, step: int) -> tuple[dict, int]:
+        """The PEC group record of ``step`` and the slot row holding expert ``e``."""
+        meta = self.meta(step, group=group, expert=e)
+        rec = meta["groups"].get(group)
+        if rec is None:
+            raise ChainError(f"step {step} holds no expert group {group!r}")
+        if not any(u.get("path") == name for u in rec["units"]):
+            raise ChainError(f"step {step}: group {group!r} has no leaf {name!r}")
+        row = rec["held"][layer]
+        if e not in row:
+            raise ChainError(f"group {group!r}: step {step} does not hold expert {e}")
+        return rec, row.index(e)
+
+    def need(self, group: str, name: str, layer: int, e: int, step: int) -> None:
+        """Plan to read expert ``e`` (layer ``layer``) of slot leaf ``name`` at ``step``, and
+        the copies a delta-coded slot row is decoded against (back to an exact copy)."""
+        while True:
+            rec, j = self._row(group, name, layer, e, step)
+            rows = self._need.setdefault((step, name), set())
+            if (layer, j) in rows:
+                return
+            rows.add((layer, j))
+            if not self._entry(step, name, group, e).codec.needs_reference:
+                return
+            ref_step = int(rec["ref_step"][layer][j])
+            if ref_step < 0:
+                raise ChainError(f"group {group!r}: expert {e} of step {step} is a delta with "
+                                 "no earlier copy")
+            step = ref_step
+
+    def _decode(self, step: int, name: str, group: str, expert: int,
+                ref: Callable[[], jax.Array] | None, regions: list | None) -> jax.Array:
+        """Decode leaf ``name`` of ``step`` (``ref()`` builds its reference if needed); with
+        ``regions``, only the pieces overlapping them are read (the rest decodes from zeros
+        and must not be used)."""
+        entry = self._entry(step, name, group, expert)
         d = self.dir_of(step, group, expert)
         reader = payload.PayloadReader(d)
         codec = entry.codec
         sharding = reading.target_sharding(None)
         where = f"{d}: leaf {name!r}"
-        fields = {f: reading.assemble_field(reader, [p for p in entry.pieces if p.field == f],
-                                            codec, f, fdt, entry.shape, sharding, where,
-                                            self.threads)
-                  for f, fdt in codec.field_dtypes(entry.dtype).items()}
+        fields = {}
+        for f, fdt in codec.field_dtypes(entry.dtype).items():
+            pieces = [p for p in entry.pieces if p.field == f]
+            if regions is None:
+                fields[f] = reading.assemble_field(reader, pieces, codec, f, fdt, entry.shape,
+                                                   sharding, where, self.threads)
+            else:
+                fields[f] = jax.device_put(reading.read_regions(
+                    reader, pieces, codec, f, fdt, entry.shape, regions, where, self.threads),
+                    sharding)
         r = None
         if codec.needs_reference:
             if ref is None:
@@ -336,11 +395,15 @@ class _Context:
         out = device.decode_tree([fields], [{k: jnp.asarray(v) for k, v in entry.side.items()}],
                                  [r], plan=(codec,), dtypes=(entry.dtype,),
                                  shardings=(sharding,))[0]
-        self.bytes_read[0] += reader.bytes_read
+        self._count(step, reader.bytes_read)
         return out
 
     def slot(self, group: str, name: str, step: int, expert: int) -> jax.Array:
-        """The decoded slot leaf ``name`` of ``step`` (its layout: ``[.., K @ axis, ..]``)."""
+        """The decoded slot leaf ``name`` of ``step`` (its layout: ``[.., K @ axis, ..]``).
+
+        Only the rows planned with :meth:`need` are read and valid (all rows when none was
+        planned); slot rows are whole pieces (:func:`orbax_lossy.format.grid.split_units`).
+        """
         key = (step, name)
         if key not in self._slots:
             meta = self.meta(step, group=group, expert=expert)
@@ -348,17 +411,30 @@ class _Context:
             unit = next(u for u in rec["units"] if u.get("path") == name)
             axis, layer = unit["expert_axis"], unit["layer_axis"]
             held = rec["held"]
+            every = {(lyr, j) for lyr in range(len(held)) for j in range(len(held[0]))}
+            rows = sorted(self._need.get(key) or every)
+            shape = self._entry(step, name, group, expert).shape
+            regions = None
+            if set(rows) != every:
+                regions = []
+                for lyr, j in rows:
+                    box = [(0, n) for n in shape]
+                    box[axis] = (j, j + 1)
+                    if layer is not None:
+                        box[layer] = (lyr, lyr + 1)
+                    regions.append(tuple(box))
 
             def ref() -> jax.Array:
-                rows = []
-                for j in range(len(held[0])):
-                    rows.append(jnp.stack([
-                        self._expert_at(group, name, lyr, held[lyr][j], rec["ref_step"][lyr][j],
-                                        step)
-                        for lyr in range(len(held))]))
-                return ops.from_canonical(jnp.stack(rows), axis, layer)
+                got = {(lyr, j): self._expert_at(group, name, lyr, held[lyr][j],
+                                                 rec["ref_step"][lyr][j], step)
+                       for lyr, j in rows}
+                some = next(iter(got.values()))
+                blank = jnp.zeros_like(some)
+                return ops.from_canonical(jnp.stack([
+                    jnp.stack([got.get((lyr, j), blank) for lyr in range(len(held))])
+                    for j in range(len(held[0]))]), axis, layer)
 
-            self._slots[key] = self._decode(step, name, group, expert, ref)
+            self._slots[key] = self._decode(step, name, group, expert, ref, regions)
         return self._slots[key]
 
     def _expert_at(self, group: str, name: str, layer: int, e: int, step: int,
@@ -370,19 +446,11 @@ class _Context:
 
     def expert(self, group: str, name: str, layer: int, e: int, step: int) -> jax.Array:
         """Expert ``e`` (layer ``layer``) of stacked leaf ``name`` as saved at ``step``."""
-        meta = self.meta(step, group=group, expert=e)
-        rec = meta["groups"].get(group)
-        if rec is None:
-            raise ChainError(f"step {step} holds no expert group {group!r}")
-        unit = next((u for u in rec["units"] if u.get("path") == name), None)
-        if unit is None:
-            raise ChainError(f"step {step}: group {group!r} has no leaf {name!r}")
-        row = rec["held"][layer]
-        if e not in row:
-            raise ChainError(f"group {group!r}: step {step} does not hold expert {e}")
+        rec, j = self._row(group, name, layer, e, step)
+        unit = next(u for u in rec["units"] if u.get("path") == name)
         canon = ops.expert_slices(self.slot(group, name, step, e), unit["expert_axis"],
                                   unit["layer_axis"])
-        return canon[row.index(e), layer]
+        return canon[j, layer]
 
     def stored_value(self, step: int | None, name: str) -> jax.Array:
         """The decoded value of an expert leaf as stored at ``step`` (slot or held leaf)."""

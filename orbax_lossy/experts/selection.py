@@ -9,6 +9,12 @@ least once in every ``ceil(N / K)`` consecutive saves.
 
 Load-aware selection holds the top-K experts by unsaved tokens; ties go to the expert saved
 longest ago, then the lower id; an expert not held for ``max_staleness`` saves is held first.
+
+Expert-parallel shards (``shards = P > 1``, the number of shards the group's expert axis is split
+into, when ``P`` divides both N and K): both selections run per shard, ``K / P`` of each shard's
+``N / P`` experts, so every shard holds the same number of held experts in every layer (the
+paper's balanced per-rank schedule) and the held slices are cut shard-locally
+(:mod:`orbax_lossy.experts.device_ops`). ``P = 1`` is the plain rule above.
 """
 
 from __future__ import annotations
@@ -18,8 +24,17 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def sequential(n: int, k: int, cursor: int, position: int) -> list[int]:
+def balanced(n: int, k: int, shards: int) -> bool:
+    """Whether ``k`` of ``n`` experts can be held as ``k / shards`` per expert shard."""
+    return shards > 1 and n % shards == 0 and min(k, n) % shards == 0
+
+
+def sequential(n: int, k: int, cursor: int, position: int, shards: int = 1) -> list[int]:
     """Held experts of one row (sorted)."""
+    if balanced(n, k, shards):
+        per, kp = n // shards, min(k, n) // shards
+        return sorted(p * per + e for p in range(shards)
+                      for e in sequential(per, kp, cursor, position))
     k = min(k, n)
     start = ((cursor + position) * k) % n
     return sorted({(start + j) % n for j in range(k)})
@@ -27,8 +42,14 @@ def sequential(n: int, k: int, cursor: int, position: int) -> list[int]:
 
 def load_aware(
     n: int, k: int, unsaved: Sequence[int], age: Sequence[int], max_staleness: int | None,
+    shards: int = 1,
 ) -> list[int]:
     """Top-K by unsaved tokens with a staleness cap (see the module docstring)."""
+    if balanced(n, k, shards):
+        per, kp = n // shards, min(k, n) // shards
+        return sorted(p * per + e for p in range(shards) for e in load_aware(
+            per, kp, unsaved[p * per:(p + 1) * per], age[p * per:(p + 1) * per],
+            max_staleness))
     k = min(k, n)
     tokens = np.asarray(unsaved, np.int64)
     ages = np.asarray(age, np.int64)

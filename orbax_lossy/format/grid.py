@@ -109,3 +109,27 @@ def within_one_chunk(box: Box, chunk: Sequence[int]) -> bool:
 def local_slices(box: Box, within: Box) -> tuple[slice, ...]:
     """Slices that select ``box`` inside an array that holds region ``within``."""
     return tuple(slice(s - w, e - w) for (s, e), (w, _) in zip(box, within, strict=True))
+
+
+def split_units(shards, axes: Sequence[int]) -> list:
+    """``(box, host array)`` shards cut into boxes of extent 1 along ``axes``.
+
+    The chunk grid of a leaf follows from its shape alone; a writer may still cut its pieces
+    finer (pieces tile a cell, :meth:`LeafEntry.check_coverage`). Partial experts cut the held
+    slot leaves so along their expert (and layer) axis: every piece belongs to one expert of one
+    layer, and a restore that needs one expert reads only that expert's pieces.
+    """
+    out = list(shards)
+    for axis in axes:
+        cut = []
+        for box, host in out:
+            start, stop = box[axis]
+            if stop - start <= 1:
+                cut.append((box, host))
+                continue
+            for i in range(start, stop):
+                sub = (*box[:axis], (i, i + 1), *box[axis + 1:])
+                index = (slice(None),) * axis + (slice(i - start, i - start + 1),)
+                cut.append((sub, host[index]))
+        out = cut
+    return out
