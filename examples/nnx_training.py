@@ -1,9 +1,9 @@
 """Flax NNX training loop with orbax-lossy checkpoints, a simulated crash and a resume.
 
 Trains an NNX MLP with ``nnx.Optimizer(adamw)`` on scikit-learn's digits, saves the whole
-state (parameters lossy with LC-Checkpoint, Adam moments through the adaptive policy, step
-counter and RNG exact) every 10 steps, "crashes" at step 120, then a fresh manager restores
-the latest checkpoint into a freshly built model and training continues.
+state with the library's default policy (parameters and Adam moments lossy, step counter and
+RNG exact; see docs/whole_state.md) every 10 steps, "crashes" at step 120, then a fresh
+manager restores the latest checkpoint into a freshly built model and training continues.
 
     python examples/nnx_training.py [--dir /tmp/nnx_run] [--steps 200]
 """
@@ -54,10 +54,9 @@ def main() -> None:
     args = parser.parse_args()
     directory = args.dir or tempfile.mkdtemp(prefix="orbax_lossy_nnx_")
     x, y, x_test, y_test = load_digits()
-    policy = ol.AdaptivePolicy()
 
     def manager():
-        return ol.checkpoint_manager(directory, policy=policy, base_interval=10, max_to_keep=3)
+        return ol.checkpoint_manager(directory, base_interval=10, max_to_keep=3)
 
     model, optimizer = build()
     mngr = manager()

@@ -2,8 +2,29 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+
 import numpy as np
 import pytest
+
+# One persistent XLA compilation cache for the whole test session, shared with the
+# subprocesses the tests start (examples, multi-process runs, the CLI demo): they compile the
+# same programs, as a user's later processes would (docs/performance.md recommends the same).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="orbax_lossy_jax_cache_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    if "jax" in sys.modules:  # imported before this file: configure it directly as well
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _bits(x) -> np.ndarray:

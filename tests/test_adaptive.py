@@ -163,7 +163,7 @@ def test_bad_policy_parameters():
 
 def test_adamw_flax_state_through_the_manager(tmp_path, assert_bitwise):
     policy = AdaptivePolicy.create({"first_moment": 0.05, "second_moment": 0.05},
-                                   cluster_bits=(8,), lc_bits=(2, 4))
+                                   cluster_bits=(4,), lc_bits=(2, 4))
     handler = ol.LossyCheckpointHandler(policy, base_interval=10)
     mngr = ol.checkpoint_manager(tmp_path, handler=handler, max_to_keep=None)
     params, opt_state, step = trainer()
