@@ -6,6 +6,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
+import threading
 from typing import Any
 
 import jax
@@ -153,25 +154,59 @@ def decode_piece(reader, p, codec, field, dtype, where) -> np.ndarray:
     return arr
 
 
+_POOLS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def piece_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """A process-wide pool of ``threads`` workers that decode pieces (created once: a restore
+    used to start a pool per field, 84 pools and 0.4 s for a 10-link chain of 12 leaves).
+
+    Separate from the entropy coder's own pool, which these tasks wait on.
+    """
+    with _POOLS_LOCK:
+        pool = _POOLS.get(threads)
+        if pool is None:
+            pool = _POOLS[threads] = concurrent.futures.ThreadPoolExecutor(
+                threads, "orbax_lossy_pieces")
+        return pool
+
+
+Started = dict[tuple[str, int], concurrent.futures.Future]
+
+
+def needed_pieces(pieces, regions) -> dict[tuple[str, int], Any]:
+    """The pieces overlapping any of ``regions``, by (file, offset)."""
+    return {(p.file, p.offset): p for p in pieces
+            if any(grid.intersect(p.box, r) is not None for r in regions)}
+
+
+def shard_regions(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> set:
+    """The boxes this process's shards of a ``shape`` leaf on ``sharding`` cover."""
+    return {grid.box_from_index(idx, shape)
+            for idx in sharding.addressable_devices_indices_map(shape).values()}
+
+
+def start_decoding(reader, needed, codec, field, dtype, where, threads) -> Started:
+    """Submit the decoding of every needed piece to :func:`piece_pool` (nothing for a single
+    piece or one thread: it is decoded where it is used)."""
+    if len(needed) <= 1 or threads <= 1:
+        return {}
+    pool = piece_pool(threads)
+    return {key: pool.submit(decode_piece, reader, p, codec, field, dtype, where)
+            for key, p in needed.items()}
+
+
 def assemble_field(
-    reader, pieces, codec, field, dtype, shape, sharding, where, threads
+    reader, pieces, codec, field, dtype, shape, sharding, where, threads,
+    started: Started | None = None,
 ) -> jax.Array:
-    """Build one field as a jax.Array on ``sharding`` from the pieces its shards overlap."""
-    regions = {
-        grid.box_from_index(idx, shape)
-        for idx in sharding.addressable_devices_indices_map(shape).values()
-    }
-    needed = {}
-    for p in pieces:
-        if any(grid.intersect(p.box, r) is not None for r in regions):
-            needed[(p.file, p.offset)] = p
-    cache: dict[tuple[str, int], np.ndarray] = {}
-    if len(needed) > 1 and threads > 1:
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            decoded = pool.map(
-                lambda p: decode_piece(reader, p, codec, field, dtype, where), needed.values()
-            )
-            cache.update(zip(needed.keys(), decoded, strict=True))
+    """Build one field as a jax.Array on ``sharding`` from the pieces its shards overlap;
+    ``started``: their decoding, already submitted by :func:`start_decoding`."""
+    needed = needed_pieces([p for p in pieces if p.field == field], shard_regions(shape, sharding))
+    if started is None:
+        started = start_decoding(reader, needed, codec, field, dtype, where, threads)
+    cache: dict[tuple[str, int], np.ndarray] = {k: f.result() for k, f in started.items()}
 
     def callback(index: tuple[slice, ...] | None) -> np.ndarray:
         region = grid.box_from_index(index or (), shape)
@@ -187,17 +222,9 @@ def read_regions(
     """A host array of ``shape`` holding ``field`` in ``regions`` (zeros elsewhere), read from
     the pieces that overlap them only (each piece read and decoded once, on ``threads``)."""
     out = np.zeros(tuple(shape), dtype)
-    needed = {}
-    for p in pieces:
-        if p.field == field and any(grid.intersect(p.box, r) is not None for r in regions):
-            needed[(p.file, p.offset)] = p
-    cache: dict[tuple[str, int], np.ndarray] = {}
-    if len(needed) > 1 and threads > 1:
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            decoded = pool.map(
-                lambda p: decode_piece(reader, p, codec, field, dtype, where), needed.values()
-            )
-            cache.update(zip(needed.keys(), decoded, strict=True))
+    needed = needed_pieces([p for p in pieces if p.field == field], regions)
+    started = start_decoding(reader, needed, codec, field, dtype, where, threads)
+    cache: dict[tuple[str, int], np.ndarray] = {k: f.result() for k, f in started.items()}
     for region in regions:
         out[tuple(slice(a, b) for a, b in region)] = read_region(
             reader, list(needed.values()), codec, field, dtype, region, cache, where)

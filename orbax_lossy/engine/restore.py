@@ -276,6 +276,35 @@ def _check_complete(item_dir: str, manifest: Manifest, target: Any,
         )
 
 
+@dataclasses.dataclass
+class _Link:
+    """One chain link to decode: its files, entries, which leaves it decodes, and the piece
+    decodes already submitted for it (per (leaf, field))."""
+
+    link_dir: str
+    manifest: Manifest
+    entries: list[LeafEntry]
+    active: list[bool]
+    reader: payload.PayloadReader
+    started: dict[tuple[int, str], reading.Started] = dataclasses.field(default_factory=dict)
+
+
+def _start_link(link: _Link, targets: list[Any], threads: int) -> None:
+    """Submit the entropy decoding of every piece the link's device leaves need, so that it
+    runs while the previous link is still being assembled and decoded (one link ahead)."""
+    for k, leaf in enumerate(link.entries):
+        if not link.active[k] or leaf.storage in HOST_STORAGES:
+            continue
+        lw = _where(link.link_dir, link.manifest, leaf.name)
+        regions = reading.shard_regions(leaf.shape, reading.target_sharding(targets[k]))
+        by_field = reading.pieces_by_field(leaf.pieces)
+        for name, fdtype in leaf.codec.field_dtypes(leaf.dtype).items():
+            with stored_data(lw):
+                needed = reading.needed_pieces(by_field.get(name, []), regions)
+                link.started[(k, name)] = reading.start_decoding(
+                    link.reader, needed, leaf.codec, name, fdtype, lw, threads)
+
+
 def _decode_link(
     link_dir: str,
     manifest: Manifest,
@@ -285,6 +314,7 @@ def _decode_link(
     active: list[bool],
     reader: payload.PayloadReader,
     threads: int,
+    started: dict[tuple[int, str], reading.Started] | None = None,
 ) -> list[Any]:
     device_k, plan, dtypes, shardings, fields, sides, refs = [], [], [], [], [], [], []
     out: list[Any] = [None] * len(entries)
@@ -307,7 +337,7 @@ def _decode_link(
             field_arrays = {
                 name: reading.assemble_field(
                     reader, by_field.get(name, []), codec, name, fdtype, leaf.shape, sharding,
-                    lw, threads,
+                    lw, threads, None if started is None else started.get((k, name)),
                 )
                 for name, fdtype in codec.field_dtypes(leaf.dtype).items()
             }
@@ -360,15 +390,22 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
     values: list[Any] = [None] * len(chosen)
     bytes_read = 0
     root = root_of(item_dir)
+    links = []
     for position, ((link_dir, manifest), entries) in enumerate(zip(chain, per_link,
                                                                   strict=True)):
         active = [position >= start for start in starts]
-        if not any(active):
-            continue
-        reader = payload.PayloadReader(link_dir, root)
-        values = _decode_link(link_dir, manifest, entries, targets, values, active, reader,
-                              threads)
-        bytes_read += reader.bytes_read
+        if any(active):
+            links.append(_Link(link_dir, manifest, entries, active,
+                               payload.PayloadReader(link_dir, root)))
+    for n, link in enumerate(links):
+        if n == 0:
+            _start_link(link, targets, threads)
+        if n + 1 < len(links):  # the next link's pieces decode while this one finishes
+            _start_link(links[n + 1], targets, threads)
+        values = _decode_link(link.link_dir, link.manifest, link.entries, targets, values,
+                              link.active, link.reader, threads, link.started)
+        link.started.clear()
+        bytes_read += link.reader.bytes_read
     out = []
     final_dir = chain[-1][0]
     for k, leaf in enumerate(chosen):
