@@ -12,7 +12,6 @@ PATH is a checkpoint root (latest step unless ``--step``), a step or an item dir
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -127,10 +126,11 @@ def _export(source: str, destination: str, step: int | None, item: str | None,
     from rich.console import Console
 
     from orbax_lossy.export import export_step
+    from orbax_lossy.format.steps import abspath
 
     with Console().status("restoring and writing a plain Orbax checkpoint"):
         item_dir = export_step(source, destination, step=step, item=item, overwrite=overwrite)
-    print(f"exported {item_dir} -> {os.path.abspath(destination)} "
+    print(f"exported {item_dir} -> {abspath(destination)} "
           "(read it with ocp.StandardCheckpointer().restore(path))")
     return 0
 
@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             demo_mod.run(args.dir, args.steps, args.every, args.bits, args.base_interval)
             return 0
         if args.command == "list":
-            return _list(os.path.abspath(args.root), args.item)
+            from orbax_lossy.format.steps import abspath
+
+            return _list(abspath(args.root), args.item)  # keeps a URI's scheme://
         if args.command == "export":
             return _export(args.path, args.destination, args.step, args.item, args.overwrite)
         from orbax_lossy.format.locate import resolve_item_dir

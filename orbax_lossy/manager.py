@@ -17,6 +17,7 @@ from typing import Any, TypeAlias
 import orbax.checkpoint as ocp
 
 from orbax_lossy.errors import InvalidArgumentError
+from orbax_lossy.format.steps import is_remote
 from orbax_lossy.handler import LossyCheckpointHandler, LossyRestore, LossySave
 from orbax_lossy.policy import Policy
 from orbax_lossy.retention import (
@@ -133,6 +134,35 @@ def chain_options(
     )
 
 
+def object_store_options(
+    options: ocp.CheckpointManagerOptions, directory: str | os.PathLike
+) -> ocp.CheckpointManagerOptions:
+    """``options``, or a copy that commits in place on an object store other than GCS.
+
+    Orbax's default commit for a path that is not ``gs://`` renames ``<step>.orbax-checkpoint-
+    tmp``, which fails on ``s3://`` (``docs/object_stores.md``). For such a URI (``s3://``,
+    ``az://``...) whose options choose no commit mode (no ``temporary_path_class``, and
+    ``atomicity_options`` unset or ``AUTO``), the copy sets ``AtomicityMode.COMMIT_FILE``: write
+    in place and mark a finished step with ``commit_success.txt``, as Orbax does on ``gs://``.
+    Local and ``gs://`` paths, and an explicit mode, are left to Orbax.
+    """
+    from orbax.checkpoint import options as ocp_options
+
+    path = os.fspath(directory)
+    if not is_remote(path) or path.startswith("gs://"):
+        return options
+    if options.temporary_path_class is not None:
+        return options
+    atomicity = options.atomicity_options
+    if atomicity is None:
+        atomicity = ocp_options.AtomicityOptions(mode=ocp_options.AtomicityMode.COMMIT_FILE)
+    elif atomicity.mode == ocp_options.AtomicityMode.AUTO:
+        atomicity = dataclasses.replace(atomicity, mode=ocp_options.AtomicityMode.COMMIT_FILE)
+    else:
+        return options
+    return dataclasses.replace(options, atomicity_options=atomicity)
+
+
 def checkpoint_manager(
     directory: str | os.PathLike,
     *,
@@ -159,7 +189,9 @@ def checkpoint_manager(
     Retention means what ``options`` (or ``preservation_policy``/``max_to_keep``) say in Orbax,
     plus every step a kept step depends on; ``max_to_keep`` defaults to 3 when no ``options``
     and no policy are given. Keyword options override a copy of ``options``; the caller's
-    objects are never modified. ``partial_experts`` (an :class:`~orbax_lossy.PartialExperts`)
+    objects are never modified. On ``s3://`` and other non-``gs://`` object stores the copy
+    commits with ``AtomicityMode.COMMIT_FILE`` unless ``options`` choose a commit mode
+    (:func:`object_store_options`). ``partial_experts`` (an :class:`~orbax_lossy.PartialExperts`)
     makes the lossy handler store all non-expert state and K experts per MoE layer per save.
     """
     if handler is None:
@@ -185,4 +217,5 @@ def checkpoint_manager(
     options = dataclasses.replace(options, **overrides) if overrides else options
     registry, lossy = handler_registry(handler, items)
     options = chain_options(options, directory, lossy)
+    options = object_store_options(options, directory)
     return ocp.CheckpointManager(directory, options=options, handler_registry=registry)

@@ -3,9 +3,11 @@ mode on 127.0.0.1) reached through ``etils.epath`` -> fsspec -> s3fs, as Orbax r
 
 Covered: a manager saving a base and a delta to ``s3://`` and restoring them (bit for bit the
 same as the same saves on local disk; exact leaves exact, lossy leaves within their recorded
-error); a fresh manager listing and restoring; the read tools (``checkpoint_stats``, the CLI's
-``verify``, chain dependencies); a damaged payload object and a damaged manifest detected; the
-handler's own save / finalize / restore on ``s3://`` paths without Orbax's commit; path
+error); a fresh manager listing and restoring; the default manager choosing Orbax's
+``COMMIT_FILE`` commit on ``s3://`` by itself; the read tools (``checkpoint_stats``, the CLI's
+``list``, ``inspect``, ``verify`` and ``export`` from ``s3://``, chain dependencies); a damaged
+payload object and a damaged manifest detected; the handler's own save / finalize / restore on
+``s3://`` paths without Orbax's commit; a partial-experts (PEC) save and restore; path
 normalisation of URIs. What Orbax itself needs on S3 is in ``docs/object_stores.md``.
 """
 
@@ -166,8 +168,90 @@ def test_read_tools_work_on_s3(saved_root, capsys) -> None:
     assert cli.main(["verify", root]) == 0
     out = capsys.readouterr().out
     assert "step 0 (base)" in out and "step 1 (delta)" in out and "checksums match" in out
+    assert cli.main(["verify", f"{root}/1/default"]) == 0
+    assert "verified" in capsys.readouterr().out
     assert cli.main(["inspect", f"{root}/1/"]) == 0
     assert "params/w" in capsys.readouterr().out
+    assert cli.main(["inspect", root, "--step", "0"]) == 0
+    assert "chain, base first: 0 (base)\n" in capsys.readouterr().out
+
+
+def test_cli_list_on_s3_matches_local_disk(saved_root, capsys) -> None:
+    root, local, _ = saved_root
+    for path in (root, root + "/"):
+        assert cli.main(["list", path]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(root + "\n"), out  # the URI, not <cwd>/s3:/...
+        assert "base" in out and "delta" in out
+    assert cli.main(["list", local]) == 0
+    local_out = capsys.readouterr().out
+    # the same rows (sizes, ratios, dependencies) as the same saves on disk
+    assert out.split("\n", 1)[1] == local_out.split("\n", 1)[1]
+
+
+def test_cli_list_of_an_empty_s3_prefix_says_so(s3) -> None:
+    with pytest.raises(SystemExit, match="holds no orbax-lossy steps"):
+        cli.main(["list", f"s3://{BUCKET}/nothing-here"])
+
+
+def test_cli_export_reads_from_s3(saved_root, tmp_path, capsys) -> None:
+    root, local, _ = saved_root
+    assert cli.main(["export", root, str(tmp_path / "plain"), "--step", "1"]) == 0
+    assert f"exported {root}/1/default -> " in capsys.readouterr().out
+    got = _flat(ocp.StandardCheckpointer().restore(tmp_path / "plain"))
+    want = _flat(ol.checkpoint_manager(local).restore(1))
+    assert got.keys() == want.keys()
+    for name, value in got.items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+
+
+def test_default_manager_commits_in_place_on_s3(s3) -> None:
+    """No hand-set atomicity: ``checkpoint_manager`` picks COMMIT_FILE for ``s3://``."""
+    root = f"s3://{BUCKET}/default-options"
+    caller = ocp.CheckpointManagerOptions(max_to_keep=5)
+    saved = _save_two(root, caller)
+    assert caller.atomicity_options is None  # the caller's options are not modified
+    keys = _keys(s3, "default-options/")
+    assert {"0/default/commit_success.txt", "1/default/commit_success.txt"} <= set(keys)
+    assert not any(".orbax-checkpoint-tmp" in k for k in keys), sorted(keys)
+    no_options = f"s3://{BUCKET}/no-options"  # options=None and async saves: the same
+    with ol.checkpoint_manager(no_options, base_interval=4) as mngr:
+        for t in (0, 1):
+            mngr.save(t, args=ol.LossySave(_state(t)))
+    assert "1/default/commit_success.txt" in _keys(s3, "no-options/")
+    reader = ol.checkpoint_manager(root)
+    assert reader.all_steps() == [0, 1]
+    assert reader._options.atomicity_options.mode == ocp_options.AtomicityMode.COMMIT_FILE
+    got = _flat(reader.restore(1))
+    np.testing.assert_array_equal(got["step"], np.asarray(saved[1]["step"]))
+    np.testing.assert_array_equal(got["host"], saved[1]["host"])
+    reader.close()
+    assert ol.chain_dependencies(no_options) == {0: [], 1: [0]}
+
+
+def test_commit_mode_choice_leaves_explicit_choices_alone() -> None:
+    from orbax.checkpoint._src.path import atomicity
+
+    from orbax_lossy.manager import object_store_options
+
+    mode = ocp_options.AtomicityMode
+    default = ocp.CheckpointManagerOptions()
+    for path in ("/tmp/x", "relative", "gs://b/x"):
+        assert object_store_options(default, path) is default
+    for path in ("s3://b/x", "az://c/x"):
+        got = object_store_options(default, path)
+        assert got.atomicity_options.mode == mode.COMMIT_FILE and default.atomicity_options is None
+    legacy = ocp.CheckpointManagerOptions(
+        atomicity_options=ocp_options.AtomicityOptions(allow_legacy_atomic_rename=True))
+    got = object_store_options(legacy, "s3://b/x").atomicity_options
+    assert got == ocp_options.AtomicityOptions(mode.COMMIT_FILE, allow_legacy_atomic_rename=True)
+    assert legacy.atomicity_options.mode == mode.AUTO
+    explicit = ocp.CheckpointManagerOptions(
+        atomicity_options=ocp_options.AtomicityOptions(mode=mode.ATOMIC_RENAME))
+    assert object_store_options(explicit, "s3://b/x") is explicit
+    by_class = ocp.CheckpointManagerOptions(
+        temporary_path_class=atomicity.AtomicRenameTemporaryPath)
+    assert object_store_options(by_class, "s3://b/x") is by_class
 
 
 def test_damage_on_s3_is_detected(s3, tmp_path) -> None:
@@ -237,3 +321,57 @@ def test_uri_paths_are_normalised_lexically() -> None:
     assert steps.normpath("s3://b/run/1/default/../../../../x") == "s3://x"
     with pytest.raises(ValueError):
         steps.relpath("s3://b/x", "/local/x")
+
+
+def test_partial_experts_save_and_restore_on_s3(s3, tmp_path) -> None:
+    """PEC (K=2 of 8 experts per save) on ``s3://``: the restore assembles every expert from
+    its newest holder, as the same saves on local disk do."""
+    from orbax_lossy.policy.base import ROLES
+
+    rules = [(r"moe/(w_in|b_in|w_out|b_out)$", 0)]
+    exact = ol.LeafPolicy.create(defaults={r: ol.Exact() for r in ROLES})
+    root, local = f"s3://{BUCKET}/pec", str(tmp_path / "pec")
+
+    def manager(directory: str):
+        return ol.checkpoint_manager(directory, partial_experts=ol.PartialExperts(k=2, rules=rules),
+                                     policy=exact, max_to_keep=10, base_interval=10)
+
+    def state(t: int) -> dict:  # a tiny MoE: 8 stacked experts in 2 layers, and AdamW's mu
+        rng = np.random.default_rng(t)
+        layers = {str(i): {"moe": {"router": jnp.asarray(rng.standard_normal((4, 8)), jnp.float32),
+                                   "w_in": jnp.asarray(rng.standard_normal((8, 4, 6)), jnp.float32),
+                                   "b_in": jnp.asarray(rng.standard_normal((8, 6)), jnp.float32)}}
+                  for i in range(2)}
+        return {"params": {"blocks": layers, "embed": jnp.full((5, 4), t, jnp.float32)},
+                "opt_state": {"mu": {"blocks": jax.tree.map(lambda x: 0.1 * x, layers)},
+                              "count": jnp.int32(t)}}
+
+    states = {step: state(step) for step in (2, 4, 6)}
+    managers = [manager(root), manager(local)]
+    for step, value in states.items():
+        for m in managers:
+            m.save(step, args=ol.LossySave(value))
+            m.wait_until_finished()
+    for m in managers:
+        m.close()
+    report = ol.partial_experts_report(f"{root}/6/default")
+    assert report["k"] == 2 and report["full"] is False
+    restored = []
+    for directory in (local, root):
+        m = manager(directory)
+        restored.append(_flat(m.restore(6, args=ol.LossyRestore(jax.tree.map(jnp.zeros_like,
+                                                                              states[6])))))
+        m.close()
+    twin, got = restored
+    assert got.keys() == twin.keys() == _flat(states[6]).keys()
+    for name, value in got.items():
+        np.testing.assert_array_equal(value, twin[name], err_msg=name)
+    # every expert from its newest holder (weights and moments alike), the rest from step 6
+    for group in ("blocks/0/moe", "blocks/1/moe"):
+        holders = report["expert_steps"][group]
+        assert sorted(set(holders)) == [2, 4, 6] and holders.count(6) == 2, holders
+        for name in (f"params/{group}/w_in", f"opt_state/mu/{group}/b_in"):
+            for e, h in enumerate(holders):
+                np.testing.assert_array_equal(got[name][e], _flat(states[h])[name][e], name)
+    for name in ("params/embed", "params/blocks/0/moe/router", "opt_state/count"):
+        np.testing.assert_array_equal(got[name], _flat(states[6])[name], name)

@@ -31,7 +31,7 @@ from orbax_lossy.experts.record import META_NAME, _assemble, _find, _ItemState, 
 from orbax_lossy.experts.rules import Layout, Rule, plan_layout
 from orbax_lossy.format import payload
 from orbax_lossy.format.manifest import Manifest, read_manifest
-from orbax_lossy.format.steps import root_of, step_directories, step_of
+from orbax_lossy.format.steps import abspath, exists, root_of, step_directories, step_of
 from orbax_lossy.treepaths import StoredPath, build_nested, flatten, path_str
 
 
@@ -54,7 +54,7 @@ class _RestoreSide:
 
     def restore(self, handler: Any, directory: Any, args: Any) -> Any:
         """Restore a PEC step (NotImplemented if the step holds no PEC record)."""
-        item_dir = os.path.abspath(os.path.normpath(os.fspath(directory)))
+        item_dir = abspath(directory)  # a URI keeps its scheme://
         manifest = read_manifest(item_dir)
         meta_entry = _find(manifest, META_NAME)
         if meta_entry is None:
@@ -293,7 +293,7 @@ class _Context:
             self._dirs = {s: os.path.join(d, self.item)
                           for s, d in step_directories(self.root).items()}
         d = None if step is None else self._dirs.get(step)
-        if d is None or not os.path.exists(os.path.join(d, "manifest.msgpack")):
+        if d is None or not exists(os.path.join(d, "manifest.msgpack")):
             raise MissingStepError(
                 f"group {group!r}: expert {expert} is restored from step {step}, whose "
                 f"checkpoint is missing under {self.root} (needed by {self.item_dir})",
