@@ -164,8 +164,14 @@ class ChainPreservationPolicy:
     def dependencies(
         self, step: int, step_dirs: Mapping[int, str] | None = None
     ) -> set[int]:
-        """Steps that ``step`` directly depends on (memory of every handler, then disk)."""
-        deps = self._memory(step)[1]
+        """Steps that ``step`` directly depends on (memory of every handler, then disk).
+
+        With one lossy item (``item_name``) that a handler saved or restored in this process,
+        its memory is the manifest's header: nothing is read (this runs inside ``save()``).
+        """
+        known, deps = self._memory(step)
+        if known and self.item_name is not None:
+            return deps - {step}
         step_dirs = step_directories(self.directory) if step_dirs is None else step_dirs
         if step in step_dirs:
             names = None if self.item_name is None else [self.item_name]

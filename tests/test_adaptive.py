@@ -214,7 +214,7 @@ def test_adaptive_saves_compile_per_leaf_shape_and_codec_not_per_plan(tmp_path) 
     w = {f"w{i}": jnp.asarray(rng.standard_normal((64, 64)), jnp.float32) for i in range(4)}
     handler = ol.LossyCheckpointHandler(ol.AdaptivePolicy.create(budgets={"param": 0.3}))
     mngr = ol.checkpoint_manager(tmp_path, handler=handler, max_to_keep=None)
-    program.encode_owned_tree.clear_cache()
+    program.encode_tree.clear_cache()
     combos = set()
     for step in range(6):
         # leaves change at different rates, so plans differ from save to save
@@ -227,7 +227,7 @@ def test_adaptive_saves_compile_per_leaf_shape_and_codec_not_per_plan(tmp_path) 
         assert manifest["programs"] == "per_leaf"
         combos |= {repr(sorted(leaf["codec"].items())) for leaf in manifest["leaves"]}
     assert len(combos) >= 2  # the plan really changed
-    assert program.encode_owned_tree._cache_size() == len(combos)
+    assert program.encode_tree._cache_size() == len(combos)
     restored = ol.checkpoint_manager(tmp_path).restore(5)
     for k in w:
         np.testing.assert_array_equal(np.asarray(restored[k]),

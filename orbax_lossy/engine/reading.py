@@ -192,7 +192,7 @@ def needed_pieces(pieces, regions) -> dict[tuple[str, int], Any]:
 
 def shard_regions(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> set:
     """The boxes this process's shards of a ``shape`` leaf on ``sharding`` cover."""
-    return {grid.box_from_index(idx, shape)
+    return {grid.box_from_index(idx or (), shape)
             for idx in sharding.addressable_devices_indices_map(shape).values()}
 
 

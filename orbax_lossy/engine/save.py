@@ -240,7 +240,7 @@ def dispatch_encode(req: SaveRequest) -> Dispatched:
         plan[i] = codec
     device_leaves = [i for i, s in enumerate(storages) if s == "device"]
     encoded = device.run_grouped(
-        device.encode_owned_tree,  # the inputs are handler-owned copies: donated
+        device.encode_tree,
         bool(req.policy.plan_varies),
         [prepared[i] for i in device_leaves],
         [refs[i] for i in device_leaves],
