@@ -134,20 +134,53 @@ decode_owned_tree = jax.jit(_decode_tree, static_argnames=("plan", "dtypes", "sh
                             donate_argnums=(2,))
 
 
-def run_grouped(fn, per_leaf: bool, *lists: list[Any], **statics: tuple[Any, ...]) -> list[Any]:
-    """Run a tree program once over all leaves, or once per leaf (then cached per leaf).
+#: a whole-tree program covers leaves of at most about this many input bytes: XLA:CPU keeps
+#: every leaf's temporaries (about 3 leaf sizes for LC/Cluster encodes) live for the whole
+#: program, so one program over a large state would hold 3 extra copies of it at once
+GROUP_BYTES = 64 << 20
 
-    A static per-leaf plan compiles one program for the whole tree. A plan that changes from
-    save to save (adaptive policies) would recompile that program at every new combination,
-    so such saves run one small program per leaf, cached by leaf shape, dtype and codec.
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, dict):
+        return sum(_nbytes(v) for v in x.values())
+    return int(getattr(x, "nbytes", 0) or 0)
+
+
+def leaf_groups(sizes: Sequence[int], budget: int | None = None) -> list[range]:
+    """Consecutive leaves cut into groups of at most ``budget`` bytes (a larger leaf alone).
+
+    Depends on the leaves' global sizes only, so every process forms the same groups and a
+    tree saved again reuses the same compiled programs.
     """
-    if not per_leaf:
+    budget = GROUP_BYTES if budget is None else budget
+    groups, start, total = [], 0, 0
+    for j, size in enumerate(sizes):
+        if j > start and total + size > budget:
+            groups.append(range(start, j))
+            start, total = j, 0
+        total += size
+    if start < len(sizes):
+        groups.append(range(start, len(sizes)))
+    return groups
+
+
+def run_grouped(fn, per_leaf: bool, *lists: list[Any], **statics: tuple[Any, ...]) -> list[Any]:
+    """Run a tree program over groups of leaves, or once per leaf (then cached per leaf).
+
+    A static per-leaf plan compiles one program per group of leaves (:func:`leaf_groups`: the
+    whole tree when it is small). A plan that changes from save to save (adaptive policies)
+    would recompile at every new combination, so such saves run one small program per leaf,
+    cached by leaf shape, dtype and codec.
+    """
+    n = len(lists[0])
+    groups = ([range(j, j + 1) for j in range(n)] if per_leaf
+              else leaf_groups([_nbytes(x) for x in lists[0]]))
+    if len(groups) == 1:
         return fn(*lists, **statics)
     out = []
-    for j in range(len(lists[0])):
-        out.extend(
-            fn(*[[arg[j]] for arg in lists], **{k: (v[j],) for k, v in statics.items()})
-        )
+    for group in groups:
+        out.extend(fn(*[[arg[j] for j in group] for arg in lists],
+                      **{k: tuple(v[j] for j in group) for k, v in statics.items()}))
     return out
 
 
