@@ -30,7 +30,7 @@ from etils import epath
 
 from orbax_lossy.errors import LossyError
 from orbax_lossy.format.locate import lossy_items
-from orbax_lossy.format.manifest import MANIFEST_NAME, read_manifest
+from orbax_lossy.format.manifest import MANIFEST_NAME, read_manifest_header
 from orbax_lossy.format.steps import exists, is_remote, step_directories
 
 if TYPE_CHECKING:
@@ -60,6 +60,40 @@ def dependencies_from_disk(
     the scan. Unreadable manifests count as no dependency (their step is not restorable anyway).
     """
     step_path = os.fspath(step_dir)
+    names = None if item_names is None else tuple(item_names)
+    cached = _STEP_CACHE.get((step_path, names))
+    if cached is not None and _fingerprint(step_path) == cached[0]:
+        return set(cached[1])
+    before = _fingerprint(step_path)
+    deps = _step_dependencies(step_path, names)
+    if before is not None and _fingerprint(step_path) == before:
+        if len(_STEP_CACHE) >= _DEPENDENCY_CACHE_SIZE:
+            _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
+        _STEP_CACHE[(step_path, names)] = (before, frozenset(deps))
+    return deps
+
+
+#: per (step directory, item names): (fingerprint, dependencies); see :func:`_fingerprint`
+_STEP_CACHE: dict[tuple[str, tuple[str, ...] | None], tuple[tuple, frozenset[int]]] = {}
+
+
+def _fingerprint(step_path: str) -> tuple | None:
+    """Modification times of a local step directory and of its subdirectories (None: not
+    cacheable). Adding or removing an item changes the first, a manifest appearing in an item
+    changes the item's, so an unchanged fingerprint means unchanged dependencies; checking
+    it costs a few ``stat`` calls instead of listing items and reading manifests."""
+    if is_remote(step_path):
+        return None
+    try:
+        with os.scandir(step_path) as entries:
+            subdirs = sorted((e.name, e.stat().st_mtime_ns) for e in entries
+                             if e.is_dir(follow_symlinks=False))
+        return (os.stat(step_path).st_mtime_ns, tuple(subdirs))
+    except OSError:
+        return None
+
+
+def _step_dependencies(step_path: str, item_names: tuple[str, ...] | None) -> set[int]:
     if item_names is None:
         items = list(lossy_items(step_path).values())
     else:
@@ -91,7 +125,7 @@ def _manifest_dependencies(item_dir: str) -> tuple[int, ...]:
     if key is not None and key in _DEPENDENCY_CACHE:
         return _DEPENDENCY_CACHE[key]
     try:
-        deps = read_manifest(item_dir).header.depends_on
+        deps = read_manifest_header(item_dir).depends_on
     except (LossyError, OSError):
         return ()  # unreadable: its step is not restorable anyway
     if key is not None:
@@ -220,6 +254,10 @@ class ChainPreservationPolicy:
         step the previous decision kept is kept too.
         """
         wanted = list(self.inner.should_preserve(checkpoints, context=context))
+        if all(wanted):  # nothing would be deleted: no dependency needs to be read
+            self.last_kept_for_chains = {}
+            self._last_kept = {c.step for c in checkpoints}
+            return wanted
         keep = list(wanted)
         position = {c.step: i for i, c in enumerate(checkpoints)}
         step_dirs = step_directories(self.directory)

@@ -133,11 +133,16 @@ def secure_copies(prepared: Sequence[Any], storages: Sequence[str]) -> list[Any]
     asynchronous device-to-device copy per shard that compiles nothing and returns at once
     (JAX orders a later donation of the original after the copy). A host leaf is copied now.
     """
-    return [
-        jax.device_put(x, x.sharding, may_alias=False, donate=False) if s == "device"
-        else np.array(x, copy=True)
-        for x, s in zip(prepared, storages, strict=True)
-    ]
+    on_device = [i for i, s in enumerate(storages) if s == "device"]
+    # one batched call for every device leaf (per-leaf calls cost ~0.5 ms each in dispatch)
+    copies = jax.device_put([prepared[i] for i in on_device],
+                            [prepared[i].sharding for i in on_device],
+                            may_alias=False, donate=False)
+    out = [None if s == "device" else np.array(x, copy=True)
+           for x, s in zip(prepared, storages, strict=True)]
+    for i, copy in zip(on_device, copies, strict=True):
+        out[i] = copy
+    return out
 
 
 def make_header(
