@@ -22,6 +22,10 @@ The same sequence of states is then saved through plain Orbax (``ocp.CheckpointM
 * ``adaptive loose``: ``AdaptivePolicy`` with second-moment budget 0.5 (RMS elementwise
   relative error) and parameter progress budget 0.7 (error / ||delta||).
 
+Issue 14's levers (``--policies``): ``joint mu <alpha>`` / ``joint excp <alpha>`` (ExCP's joint
+weight-momentum pruning, :class:`JointPrune`), ``base p Cl8`` / ``base p Cl6`` (lossy parameter
+bases), ``p Bitmask`` / ``p Bitmask3`` with ``--only digits-bf16`` (bf16 parameters and moments).
+
 Bytes are bytes on disk of each checkpoint directory. ``delta x`` is the plain Orbax average
 over the mean lossy delta; ``run x`` the plain average over the lossy average over the whole run
 with its bases; ``steady x`` the same for an endless run at that base interval,
@@ -76,13 +80,18 @@ class Workload:
     eval_loss: Callable[[train_state.TrainState], float]
 
 
-def digits_workload(hidden: int, steps: int, batch: int = 64, seed: int = 0) -> Workload:
+def digits_workload(hidden: int, steps: int, batch: int = 64, seed: int = 0,
+                    param_dtype: Any = jnp.float32) -> Workload:
     """The demo's digits MLP with AdamW and a warmup-cosine schedule (1e-3 peak, 1e-5 end).
 
     Batch ``k`` is a fixed function of ``k``. The schedule matters for the resume comparison:
     at a constant learning rate the final eval loss of this small, overfitting model is chaotic
     (Gaussian parameter noise of 3e-2 at the failure point moved it by 2.3%); with the decay it
     moves by less than 1% under the same noise (the benchmark prints these noise-floor rows).
+
+    ``param_dtype=jnp.bfloat16``: the mixed-precision variant (``--only digits-bf16``): the
+    parameters, and therefore Adam's moments (optax keeps them in the parameters' dtype), are
+    bfloat16; the forward pass computes in float32 inputs promoted by Flax.
     """
     x, y, x_test, y_test = demo.load_digits(seed)
     # materialize the order once so that a resumed run can start at any step with the same data
@@ -103,10 +112,13 @@ def digits_workload(hidden: int, steps: int, batch: int = 64, seed: int = 0) -> 
 
     def init() -> train_state.TrainState:
         params = model.init(jax.random.key(seed), jnp.zeros((1, 64), jnp.float32))["params"]
+        params = jax.tree.map(lambda p: p.astype(param_dtype), params)
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
+    bf16 = np.dtype(param_dtype) == np.dtype(jnp.bfloat16)
     return Workload(
-        name=f"digits MLP hidden={hidden}, warmup-cosine lr",
+        name=f"digits MLP hidden={hidden}{' bf16 params+moments' if bf16 else ''}, "
+             "warmup-cosine lr",
         init=init,
         step_fn=lambda s, k: demo.train_step(s, *batch_of(k))[0],
         eval_loss=lambda s: demo.evaluate(s, x_test, y_test),
@@ -276,6 +288,71 @@ def charlm_workload(
     )
 
 
+# --------------------------------------------------------------------------- joint pruning
+
+
+@dataclass(frozen=True)
+class JointPrune:
+    """Prototype of ExCP's joint weight-momentum pruning (arXiv 2406.11257), benchmark only.
+
+    Before each delta save the saved *copy* of the state (training is untouched) is masked
+    per parameter leaf: ``keep = |mu| > alpha * mean(|mu|)`` (``rule="mu"``: drop the
+    weight-delta elements whose momentum is small) or ``keep = |delta| * rsqrt(nu + 1e-16)
+    > alpha * mean(...)`` (``rule="excp"``: ExCP's weight criterion, the delta in units of
+    Adam's step size); dropped parameter elements are set to the handler's reference (their
+    delta is then exactly 0, symbol 0 of ``Cluster``/``LC``; closed loop: the dropped change
+    is carried into the next delta), and the first moment is zeroed where the weight delta was
+    dropped. ``policy`` codes the masked state. Bases are saved unmasked. The per-leaf codec
+    contract cannot express this (one codec sees one leaf), so the prototype works on the
+    state before ``save``, reading ``LossyCheckpointHandler.reference``.
+    """
+
+    policy: Any
+    alpha: float
+    rule: str = "mu"
+
+    def apply(self, state: Any, handler: ol.LossyCheckpointHandler,
+              base_interval: int) -> tuple[Any, float]:
+        """The masked copy of ``state`` and the fraction of parameter elements kept."""
+        ref = handler.reference
+        if ref is None or ref.chain_length + 1 >= base_interval:
+            return state, 1.0  # this save is a base
+        paths, leaves, treedef = ol.treepaths.flatten(state)
+        if ref.paths != tuple(paths):
+            return state, 1.0
+        roles = ol.policy.leaf_roles(state)
+
+        def tail(path: Any, key: str) -> Any:
+            names = [k for _, k in path]
+            return tuple(path[names.index(key) + 1:]) if key in names else None
+
+        moment = {role: {tail(p, k): i for i, (p, r) in enumerate(zip(paths, roles, strict=True))
+                         for k in ("mu", "nu") if r == role and tail(p, k) is not None}
+                  for role in ("first_moment", "second_moment")}
+        new = list(leaves)
+        kept = total = 0
+        for i, (path, role) in enumerate(zip(paths, roles, strict=True)):
+            if role != "param" or ref.values[i] is None:
+                continue
+            key = tail(path, "params")
+            j = moment["first_moment"].get(key)
+            k = moment["second_moment"].get(key)
+            if j is None or k is None:
+                continue
+            p, r, mu, nu = leaves[i], jnp.asarray(ref.values[i]), leaves[j], leaves[k]
+            if self.rule == "mu":
+                score = jnp.abs(mu.astype(jnp.float32))
+            else:
+                score = jnp.abs((p - r).astype(jnp.float32)) * jax.lax.rsqrt(
+                    nu.astype(jnp.float32) + 1e-16)
+            keep = score > self.alpha * jnp.mean(score)
+            new[i] = jnp.where(keep, p, r.astype(p.dtype))
+            new[j] = jnp.where(keep, mu, jnp.zeros_like(mu))
+            kept += int(jnp.sum(keep))
+            total += keep.size
+        return jax.tree_util.tree_unflatten(treedef, new), kept / max(total, 1)
+
+
 # --------------------------------------------------------------------------- measurement
 
 
@@ -369,13 +446,20 @@ def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
     rows, notes = [], []
     for label, policy in policies.items():
         for interval in args.intervals:
+            policy = policies[label]
             t1 = time.perf_counter()
             d = os.path.join(root, f"{label.replace(' ', '_')}_{interval}")
-            mngr = ol.checkpoint_manager(d, policy=policy, base_interval=interval,
-                                         max_to_keep=None)
-            sizes = []
+            joint = policy if isinstance(policy, JointPrune) else None
+            policy = joint.policy if joint else policy
+            handler = ol.LossyCheckpointHandler(policy, base_interval=interval)
+            mngr = ol.checkpoint_manager(d, handler=handler, max_to_keep=None)
+            sizes, kept_frac = [], []
             for s in steps:
-                mngr.save(s, args=ol.LossySave(kept[s]))
+                to_save = kept[s]
+                if joint is not None:
+                    to_save, frac = joint.apply(to_save, handler, interval)
+                    kept_frac.append(frac)
+                mngr.save(s, args=ol.LossySave(to_save))
                 mngr.wait_until_finished()
                 kind = ol.format.read_manifest(os.path.join(d, str(s), "default")).header.save_type
                 sizes.append((kind, dir_bytes(os.path.join(d, str(s)))))
@@ -407,6 +491,11 @@ def measure(work: Workload, args: argparse.Namespace, root: str, every: int,
                 c = codec_counts(d, steps)
                 notes.append(f"{label} codec choices over all delta saves (leaf count): "
                              + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+            if joint is not None:
+                fracs = [f for f in kept_frac if f < 1.0] or [1.0]
+                notes.append(f"{label} base/{interval}: joint pruning kept "
+                             f"{100 * statistics.mean(fracs):.1f}% of the parameter-delta "
+                             "elements per delta save")
             shutil.rmtree(d, ignore_errors=True)
             # Free the compiled programs of this configuration: on CPU every XLA executable
             # holds memory maps, and the adaptive policy compiles one small program per leaf
@@ -455,11 +544,14 @@ def candidate_policies() -> dict[str, Any]:
         "params only": ol.LeafPolicy.params_only(),
         "lossless": ol.LeafPolicy.lossless(),
         "default exact-bases": ol.LeafPolicy.create(base_defaults=exact_bases),
+        "p exact bases": ol.LeafPolicy.create(base_defaults={"param": ol.Exact()}),
         "mu LC1 direct": ol.LeafPolicy.create(defaults={"first_moment": ol.LC(1, mode="direct")}),
         "mu LC2 direct": ol.LeafPolicy.create(defaults={"first_moment": ol.LC(2, mode="direct")}),
         "mu LC3 direct": ol.LeafPolicy.create(defaults={"first_moment": ol.LC(3, mode="direct")}),
         "mu LC2 delta": ol.LeafPolicy.create(defaults={"first_moment": ol.LC(2)}),
         "nu LC3 log": ol.LeafPolicy.create(defaults={"second_moment": ol.LC(3, domain="log")}),
+        "nu Cl4 log direct": ol.LeafPolicy.create(
+            defaults={"second_moment": ol.Cluster(4, domain="log")}),
         "nu LC2 lin": ol.LeafPolicy.create(defaults={"second_moment": ol.LC(2)}),
         "p LC2": ol.LeafPolicy.create(defaults={"param": ol.LC(2)}),
         "p LC3": ol.LeafPolicy.create(defaults={"param": ol.LC(3)}),
@@ -468,6 +560,13 @@ def candidate_policies() -> dict[str, Any]:
         "p Cl3 delta": ol.LeafPolicy.create(defaults={"param": ol.Cluster(3, mode="delta")}),
         "p Cl4 delta": ol.LeafPolicy.create(defaults={"param": ol.Cluster(4, mode="delta")}),
         "p Bitmask": ol.LeafPolicy.create(defaults={"param": ol.Bitmask()}),
+        "p Bitmask3": ol.LeafPolicy.create(defaults={"param": ol.Bitmask(3)}),
+        "base p Cl8": ol.LeafPolicy.create(base_defaults={"param": ol.Cluster(8)}),
+        "base p Cl6": ol.LeafPolicy.create(base_defaults={"param": ol.Cluster(6)}),
+        "joint mu 0.5": JointPrune(ol.LeafPolicy(), 0.5),
+        "joint mu 1": JointPrune(ol.LeafPolicy(), 1.0),
+        "joint excp 0.5": JointPrune(ol.LeafPolicy(), 0.5, rule="excp"),
+        "joint excp 1": JointPrune(ol.LeafPolicy(), 1.0, rule="excp"),
         "whole LC3": ol.LeafPolicy.create(
             defaults={"first_moment": ol.LC(3), "second_moment": ol.LC(3)},
             base_defaults=exact_bases),
@@ -556,7 +655,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--cnn-width", type=int, default=32)
     parser.add_argument("--only", default=None,
-                        help="comma-separated workloads among digits,charlm,cnn (default: all)")
+                        help="comma-separated workloads among digits,charlm,cnn,digits-bf16 "
+                             "(default: digits,charlm,cnn)")
     parser.add_argument("--policies", default=None,
                         help="comma-separated policies for both runs (default: "
                              + ", ".join(DEFAULT_POLICIES) + ")")
@@ -599,6 +699,9 @@ def main() -> None:
             work = charlm_workload(args.steps, args.d_model, args.layers,
                                    max_chars=40_000 if args.quick else 320_000)
             measure(work, args, os.path.join(root, "charlm"), args.every_lm, pol_lm)
+        if "digits-bf16" in only:
+            measure(digits_workload(args.hidden, args.steps, param_dtype=jnp.bfloat16), args,
+                    os.path.join(root, "digits-bf16"), args.every, pol_digits)
         if "cnn" in only:
             measure(cnn_workload(args.cnn_width, args.steps), args, os.path.join(root, "cnn"),
                     args.every, pol_digits)
