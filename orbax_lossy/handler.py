@@ -10,6 +10,7 @@ reference, entropy-codes and writes files (:mod:`orbax_lossy.engine.save`). ``fi
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 from typing import Any
 
@@ -181,31 +182,42 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
 
         async def commit() -> None:
             try:
-                encoded = save.encode_save(request, dispatched)
-                self._publish(request, signature, encoded)
-                if pec is not None:
-                    pec.publish(self._store.get(item, wait=False))
+                running = dispatched if dispatched is not None else save.dispatch_encode(request)
+                # Entropy coding and writing start on another thread as soon as the first
+                # group of leaves is encoded; the reference is published once the device
+                # programs are done, without waiting for the files.
+                with concurrent.futures.ThreadPoolExecutor(1, "orbax_lossy_write") as writer:
+                    written = writer.submit(self._write_files, directory_str, process,
+                                            request.header, save.iter_jobs(request, running))
+                    try:
+                        self._publish(request, signature, running)
+                        if pec is not None:
+                            pec.publish(self._store.get(item, wait=False))
+                    finally:
+                        published.set()
+                    written.result()
+                request.values, request.ref = [], None
             except BaseException:
                 self._store.drop(item)  # a failed save: the next one is a base
                 raise
             finally:
                 published.set()
-            self._write_files(directory_str, process, encoded)
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(commit(),
                                                                  name="orbax_lossy_write")]
 
     def _publish(self, request: save.SaveRequest, signature: Any,
-                 encoded: save.EncodedSave) -> None:
+                 running: save.Dispatched) -> None:
         """Make the reconstruction of this save the reference of the next one."""
-        self._store.put(save.next_reference(request, signature, encoded,
+        self._store.put(save.next_reference(request, signature, running,
                                             self.reference_on_host))
-        self._last_save_stats = encoded.stats()
+        self._last_save_stats = save.save_stats(request, running)
 
-    def _write_files(self, directory: str, process: int, encoded: save.EncodedSave) -> None:
-        """Entropy-code and write this process's files (commit thread; releases the GIL)."""
+    def _write_files(self, directory: str, process: int, header: Any, jobs: Any) -> None:
+        """Entropy-code and write this process's files (a commit worker; releases the GIL)."""
         is_primary = process == self.primary_host
-        save.write_process_files(directory, process, encoded, is_primary, self.encode_threads)
+        save.write_process_files(directory, process, header, jobs, is_primary,
+                                 self.encode_threads)
 
     @property
     def last_save_stats(self) -> dict[str, Any]:

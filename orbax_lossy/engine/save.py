@@ -3,14 +3,16 @@
 0. Training thread (``async_save``): :func:`secure_copies` makes device copies the handler
    owns (dispatched, nothing compiled, nothing waited for) and :func:`make_header` fixes the
    base/delta decision and the dependencies; together they form a :class:`SaveRequest`.
-1. :func:`dispatch_encode`: the policy's codec plan and the jitted encode program(s), plus
-   the start of the device-to-host copies; :func:`collect` waits for them and returns an
-   :class:`EncodedSave` holding host buffers plus the new reference values.
-   :func:`encode_save` does both. In one process this runs in the commit thread; with
-   several processes the dispatch stays on the training thread (collectives in one order).
-2. :func:`write_process_files` (Orbax's commit thread, after the directory exists):
-   entropy-code every chunk-grid piece on a thread pool, append the pieces to
-   ``data.p<K>.bin`` and write ``index.p<K>.msgpack``.
+1. :func:`dispatch_encode`: the policy's codec plan and the jitted encode program(s) over
+   groups of leaves, plus the start of the device-to-host copies. In one process this runs in
+   the commit thread; with several processes the dispatch stays on the training thread
+   (collectives in one order).
+2. :func:`write_process_files` (Orbax's commit thread, after the directory exists) consumes
+   :func:`iter_jobs`, which yields each leaf's host buffers as soon as its own group is
+   encoded: every chunk-grid piece is entropy-coded on a thread pool while later groups are
+   still encoding, appended to ``data.p<K>.bin``, and ``index.p<K>.msgpack`` is written.
+   Meanwhile :func:`next_reference` and :func:`save_stats` publish the reconstruction once
+   the device programs are done.
 3. :func:`merge_indexes` (``finalize``, primary host): merge the indexes into the manifest.
 """
 
@@ -23,7 +25,7 @@ import functools
 import os
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -44,7 +46,7 @@ from orbax_lossy.format.manifest import (
 )
 from orbax_lossy.format.steps import step_of
 from orbax_lossy.policy import Policy, leaf_role
-from orbax_lossy.treepaths import StoredPath
+from orbax_lossy.treepaths import StoredPath, path_str
 
 HostShards = list[tuple[grid.Box, np.ndarray]]
 
@@ -56,23 +58,6 @@ class LeafJob:
     index: int
     entry: LeafEntry
     shards: dict[str, HostShards]  # field -> replica-0 shards on host
-
-
-@dataclasses.dataclass
-class EncodedSave:
-    """What the blocking half of a save hands to the commit thread."""
-
-    jobs: list[LeafJob]
-    header: Header
-    reconstruction: list[Any]  # per leaf: the next reference value, or None
-
-    def stats(self) -> dict[str, Any]:
-        """Base or delta, and per leaf the codec chosen and the relative error measured."""
-        return {
-            "kind": self.header.save_type,
-            "leaves": {job.entry.name: {"codec": job.entry.codec_config["id"],
-                                        "rel_error": job.entry.rel_error} for job in self.jobs},
-        }
 
 
 def signature(prepared: Sequence[Any], storages: Sequence[str],
@@ -96,13 +81,13 @@ def sharding_string(sharding: jax.sharding.Sharding) -> str | None:
     return None if meta is None else meta.to_serialized_string()
 
 
-def next_reference(request: SaveRequest, signature: Signature, encoded: EncodedSave,
+def next_reference(request: SaveRequest, signature: Signature, running: Dispatched,
                    on_host: bool) -> Reference:
     """The reference the next save of this item is encoded against: this reconstruction."""
-    values = encoded.reconstruction
+    values = reconstruction(request, running)
     if on_host:
         values = [np.asarray(r) if r is not None else None for r in values]
-    header = encoded.header
+    header = request.header
     return Reference(request.item_dir, header.step, header.save_id, header.chain_length,
                      tuple(request.paths), signature, values)
 
@@ -259,113 +244,132 @@ def dispatch_encode(req: SaveRequest) -> Dispatched:
     return Dispatched(plan, device_leaves, encoded)
 
 
-def collect(req: SaveRequest, dispatched: Dispatched) -> EncodedSave:
-    """Wait for the device results and build the leaf jobs (host buffers) of the save."""
-    prepared, storages, key_impls, paths = req.values, req.storages, req.key_impls, req.paths
-    plan, device_leaves, encoded = dispatched.plan, dispatched.device_leaves, dispatched.encoded
-    host_fields: dict[int, dict[str, HostShards]] = {}
-    for j, i in enumerate(device_leaves):
-        for name, arr in encoded[j]["fields"].items():
-            host_fields.setdefault(i, {})[name] = grid.split_units([
-                (box, np.asarray(d)) for box, d in _replica0_shards(arr)
-            ], req.unit_axes.get(i, ()))
-    flags = jax.device_get([(e["safe"], e["rel_error"], e["side"]) for e in encoded])
+def _leaf_job(req: SaveRequest, i: int, codec: Codec, side: dict,
+              shards: dict[str, HostShards], err: float) -> LeafJob:
+    arr = req.values[i]  # metadata only: a device value may already be released
+    dtype = np.dtype(arr.dtype)
+    entry = LeafEntry(
+        path=req.paths[i],
+        storage=req.storages[i],
+        shape=tuple(int(d) for d in np.shape(arr)),
+        dtype=dtype,
+        key_impl=req.key_impls[i],
+        codec_config=codec_config(codec),
+        chunk=grid.chunk_shape_for(np.shape(arr), dtype.itemsize, req.chunk_bytes),
+        side={k: np.asarray(v) for k, v in side.items()},
+        role=("rng" if req.key_impls[i] is not None else
+              req.roles[i] if req.roles is not None else leaf_role(req.paths[i], dtype)),
+        rel_error=float(err),
+        sharding=sharding_string(arr.sharding) if req.storages[i] == "device" else None,
+    )
+    return LeafJob(i, entry, shards)
 
-    def job(i: int, codec: Codec, side: dict, shards: dict[str, HostShards], err: float):
-        arr = prepared[i]
-        dtype = np.dtype(arr.dtype)
-        entry = LeafEntry(
-            path=paths[i],
-            storage=storages[i],
-            shape=tuple(int(d) for d in np.shape(arr)),
-            dtype=dtype,
-            key_impl=key_impls[i],
-            codec_config=codec_config(codec),
-            chunk=grid.chunk_shape_for(np.shape(arr), dtype.itemsize, req.chunk_bytes),
-            side={k: np.asarray(v) for k, v in side.items()},
-            role=("rng" if key_impls[i] is not None else
-                  req.roles[i] if req.roles is not None else leaf_role(paths[i], dtype)),
-            rel_error=float(err),
-            sharding=sharding_string(arr.sharding) if storages[i] == "device" else None,
-        )
-        return LeafJob(i, entry, shards)
 
-    reconstruction: list[Any] = [None] * len(prepared)
-    jobs: list[LeafJob] = []
+def reconstruction(req: SaveRequest, dispatched: Dispatched) -> list[Any]:
+    """Per leaf the next reference value (device leaves; still computing), else None."""
+    out: list[Any] = [None] * len(req.values)
+    for j, i in enumerate(dispatched.device_leaves):
+        out[i] = dispatched.encoded[j]["recon"]
+    return out
+
+
+def iter_jobs(req: SaveRequest, dispatched: Dispatched) -> Iterator[LeafJob]:
+    """The leaf jobs (host buffers) in leaf order, each as soon as its own device program has
+    finished: entropy coding of the first leaves overlaps the encoding of later groups."""
+    plan, encoded = dispatched.plan, dispatched.encoded
+    position = {i: j for j, i in enumerate(dispatched.device_leaves)}
     is_primary = jax.process_index() == req.primary_host
-    for j, i in enumerate(device_leaves):
-        safe, rel_error, side = flags[j]
-        codec = plan[i]
-        reconstruction[i] = encoded[j]["recon"]
+    for i, storage in enumerate(req.storages):
+        if storage != "device":
+            arr = req.values[i]  # already a handler-owned copy
+            shards = {"raw": [(grid.full_box(arr.shape), arr)] if is_primary else []}
+            yield _leaf_job(req, i, Exact(), {}, shards, 0.0)
+            continue
+        out = encoded[position[i]]
+        safe, rel_error, side = jax.device_get((out["safe"], out["rel_error"], out["side"]))
+        codec, fields = plan[i], out["fields"]
         if not bool(safe):
             # Non-finite input, delta or reconstruction, or a sign-breaking reconstruction
             # (device.encode_tree): store this leaf exactly for this save (never garbage).
-            codec, side, rel_error = Exact(), {}, 0.0
-            host_fields[i] = {"raw": grid.split_units(
-                [(box, np.asarray(d)) for box, d in _replica0_shards(encoded[j]["recon"])],
-                req.unit_axes.get(i, ()))}
-        jobs.append(job(i, codec, side, host_fields.get(i, {}), rel_error))
-    for i, storage in enumerate(storages):
-        if storage != "device":
-            arr = prepared[i]  # already a handler-owned copy
-            shards = {"raw": [(grid.full_box(arr.shape), arr)] if is_primary else []}
-            jobs.append(job(i, Exact(), {}, shards, 0.0))
-    jobs.sort(key=lambda x: x.index)
-    return EncodedSave(jobs, req.header, reconstruction)
+            codec, side, rel_error, fields = Exact(), {}, 0.0, {"raw": out["recon"]}
+        shards = {
+            name: grid.split_units([(box, np.asarray(d)) for box, d in _replica0_shards(arr)],
+                                   req.unit_axes.get(i, ()))
+            for name, arr in fields.items()
+        }
+        yield _leaf_job(req, i, codec, side, shards, rel_error)
 
 
-def encode_save(req: SaveRequest, dispatched: Dispatched | None = None) -> EncodedSave:
-    """Dispatch (unless already done) and collect: the whole encode half of a save.
-
-    Then releases the request's inputs (the handler-owned copies and the old reference):
-    what the files need is held by the returned jobs, so a commit holds at most the inputs,
-    the new reconstruction and the host fields at once.
-    """
-    encoded = collect(req, dispatched if dispatched is not None else dispatch_encode(req))
-    req.values, req.ref = [], None
-    return encoded
-
-
-def _append(writer: payload.PayloadWriter, pieces: dict[int, list[dict[str, Any]]],
-            task: tuple, future: concurrent.futures.Future) -> None:
-    job, _, name, piece, _ = task
-    pieces[job.index].append(writer.append(name, piece, future.result()).to_msgpack())
+def save_stats(req: SaveRequest, dispatched: Dispatched) -> dict[str, Any]:
+    """Base or delta, and per leaf the codec chosen and the relative error measured, from the
+    device flags alone (waits for the device programs, not for the files)."""
+    flags = jax.device_get([(e["safe"], e["rel_error"]) for e in dispatched.encoded])
+    leaves: dict[str, Any] = {}
+    by_position = dict(zip(dispatched.device_leaves, flags, strict=True))
+    for i, path in enumerate(req.paths):
+        codec: Codec = Exact()
+        err = 0.0
+        if i in by_position:
+            safe, rel_error = by_position[i]
+            if bool(safe):
+                codec, err = dispatched.plan[i], float(rel_error)
+        leaves[path_str(path)] = {"codec": codec_config(codec)["id"], "rel_error": err}
+    return {"kind": req.header.save_type, "leaves": leaves}
 
 
 def write_process_files(
-    directory: str, process: int, save: EncodedSave, is_primary: bool, threads: int
-) -> None:
-    """Entropy-code and write this process's pieces and index (runs in the commit thread)."""
-    tasks = []
-    for job in save.jobs:
-        codec = job.entry.codec
-        field_dtypes = codec.field_dtypes(job.entry.dtype)
-        for name, shards in job.shards.items():
-            if name not in field_dtypes:
-                raise LossyError(f"leaf {job.entry.name}: codec gave unknown field {name}")
-            for box, host in shards:
-                for piece in grid.grid_pieces(box, job.entry.chunk):
-                    local = host[grid.local_slices(piece, box)] if piece else host
-                    tasks.append((job, codec, name, piece, local))
+    directory: str, process: int, header: Header, jobs: Iterable[LeafJob], is_primary: bool,
+    threads: int,
+) -> list[LeafJob]:
+    """Entropy-code and write this process's pieces and index (runs in the commit thread).
 
-    def encode(task: tuple) -> bytes:
-        _, codec, name, _, local = task
+    ``jobs`` may be a generator (:func:`iter_jobs`): the pieces of each job are coded as it
+    arrives, and its host buffers are released once its pieces are in the file. Returns the
+    jobs (with their shards released).
+    """
+
+    def encode(codec: Codec, name: str, local: np.ndarray) -> bytes:
         return codec.host_encode(name, np.ascontiguousarray(local))
 
     writer = payload.PayloadWriter(os.path.join(directory, payload.data_file_name(process)))
-    pieces: dict[int, list[dict[str, Any]]] = {job.index: [] for job in save.jobs}
+    done: list[LeafJob] = []
+    pieces: dict[int, list[dict[str, Any]]] = {}
+    pending: dict[int, int] = {}  # job index -> pieces not yet in the file
     # At most `window` coded pieces wait in memory: coding runs on every thread while the
     # pieces are appended in order (the file layout does not depend on the thread count).
     window = 2 * max(threads, 1)
+
+    def append(job: LeafJob, name: str, piece: Any, future: concurrent.futures.Future) -> None:
+        pieces[job.index].append(writer.append(name, piece, future.result()).to_msgpack())
+        pending[job.index] -= 1
+        if not pending[job.index]:
+            job.shards = {}  # in the file: release the host buffers
+
     try:
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             in_flight: collections.deque = collections.deque()
-            for task in tasks:
-                in_flight.append((task, pool.submit(encode, task)))
-                if len(in_flight) >= window:
-                    _append(writer, pieces, *in_flight.popleft())
+            for job in jobs:
+                done.append(job)
+                pieces[job.index] = []
+                codec = job.entry.codec
+                field_dtypes = codec.field_dtypes(job.entry.dtype)
+                tasks = []
+                for name, shards in job.shards.items():
+                    if name not in field_dtypes:
+                        raise LossyError(f"leaf {job.entry.name}: codec gave unknown field {name}")
+                    for box, host in shards:
+                        for piece in grid.grid_pieces(box, job.entry.chunk):
+                            local = host[grid.local_slices(piece, box)] if piece else host
+                            tasks.append((name, piece, local))
+                pending[job.index] = len(tasks)
+                if not tasks:
+                    job.shards = {}
+                for name, piece, local in tasks:
+                    in_flight.append((job, name, piece, pool.submit(encode, codec, name, local)))
+                    if len(in_flight) >= window:
+                        append(*in_flight.popleft())
             while in_flight:
-                _append(writer, pieces, *in_flight.popleft())
+                append(*in_flight.popleft())
     finally:
         writer.close()
     body: dict[str, Any] = {
@@ -373,11 +377,12 @@ def write_process_files(
         "pieces": [[index, plist] for index, plist in pieces.items()],
     }
     if is_primary:
-        body["header"] = save.header.to_msgpack()
-        body["leaves"] = [job.entry.to_msgpack(with_pieces=False) for job in save.jobs]
+        body["header"] = header.to_msgpack()
+        body["leaves"] = [job.entry.to_msgpack(with_pieces=False) for job in done]
     envelope.write_envelope(
         os.path.join(directory, payload.index_file_name(process)), "index", body
     )
+    return done
 
 
 def merge_indexes(directory: str) -> Manifest:
