@@ -15,7 +15,7 @@ from flax.training import train_state
 from nnx_models import Net, nnx_setup
 
 import orbax_lossy as ol
-from orbax_lossy.policy import leaf_role
+from orbax_lossy.policy import leaf_role, leaf_roles
 from orbax_lossy.treepaths import flatten, path_str
 
 
@@ -257,3 +257,139 @@ def test_linen_train_state_default_policy(tmp_path, assert_bitwise, tx_name):
             assert_bitwise(got[name][1], value, name)
     assert int(restored.step) == int(saved[2].step)
     assert np.isfinite(float(jax.tree.leaves(step(restored).params)[0].sum()))
+
+
+# ------------------------------------------------------------- the default's lossy bases
+
+
+class WideMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.BatchNorm(use_running_average=False)(nn.relu(nn.Dense(256)(x)))
+        return nn.Dense(10)(x)
+
+
+class BNTrainState(train_state.TrainState):
+    batch_stats: dict
+
+
+class WideNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(64, 256, rngs=rngs)
+        self.bn = nnx.BatchNorm(256, rngs=rngs)
+        self.l2 = nnx.Linear(256, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.bn(nnx.relu(self.l1(x))))
+
+
+def wide_trainer(kind: str):
+    """``(train one step, current state)`` of a 64-256-10 MLP with BatchNorm
+    and AdamW (80% of the 19k parameters in one 64x256 kernel)."""
+    x = jax.random.normal(jax.random.key(2), (128, 64))
+    y = jax.random.randint(jax.random.key(3), (128,), 0, 10)
+    if kind == "linen":
+        model = WideMLP()
+        variables = model.init(jax.random.key(0), x)
+        box = [BNTrainState.create(apply_fn=model.apply, params=variables["params"],
+                                   batch_stats=variables["batch_stats"], tx=optax.adamw(1e-3))]
+
+        @jax.jit
+        def step(ts):
+            def loss_fn(p):
+                logits, upd = ts.apply_fn({"params": p, "batch_stats": ts.batch_stats}, x,
+                                          mutable=["batch_stats"])
+                return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), upd
+
+            grads, upd = jax.grad(loss_fn, has_aux=True)(ts.params)
+            return ts.apply_gradients(grads=grads, batch_stats=upd["batch_stats"])
+
+        def train() -> None:
+            box[0] = step(box[0])
+
+        return train, lambda: box[0]
+    net = WideNet(nnx.Rngs(0))
+    opt = nnx.Optimizer(net, optax.adamw(1e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def nnx_step(net, opt):
+        def loss_fn(m):
+            return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+
+        opt.update(net, nnx.grad(loss_fn)(net))
+
+    return lambda: nnx_step(net, opt), lambda: {"model": nnx.state(net), "opt": nnx.state(opt)}
+
+
+def typed_roles(tree) -> dict[str, str]:
+    """Roles from the tree's objects (NNX variable types), by leaf path."""
+    paths, _, _ = flatten(tree)
+    return {path_str(p): r for p, r in zip(paths, leaf_roles(tree), strict=True)}
+
+
+def rel_l2(restored, saved) -> float:
+    """Relative L2 error of a whole parameter tree."""
+    a = np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in jax.tree.leaves(restored)])
+    b = np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in jax.tree.leaves(saved)])
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_default_lossy_base_closed_loop(tmp_path, assert_bitwise, kind):
+    """The default base stores parameters with Cluster(8); the deltas after it code against
+    its reconstruction, so the restored training state is as close as with exact parameter
+    bases (same run, `LeafPolicy.create(base_defaults={"param": Exact()})`)."""
+    runs = {}
+    for label, policy in (("default", ol.LeafPolicy()),
+                          ("exact", ol.LeafPolicy.create(base_defaults={"param": ol.Exact()}))):
+        train, current = wide_trainer(kind)
+        handler = ol.LossyCheckpointHandler(policy, base_interval=10)
+        root = tmp_path / label
+        with ol.checkpoint_manager(root, handler=handler, max_to_keep=None) as mngr:
+            saved, stats = [], []
+            for s in range(3):  # a base and two deltas, 10 optimizer steps apart
+                for _ in range(10):
+                    train()
+                saved.append(jax.tree.map(lambda v: v, current()))
+                mngr.save(s, args=ol.LossySave(saved[s]))
+                stats.append(handler.last_save_stats)
+            mngr.wait_until_finished()
+        with ol.checkpoint_manager(root) as fresh:
+            restored = [fresh.restore(s, args=ol.LossyRestore(saved[s])) for s in range(3)]
+        runs[label] = (saved, stats, restored)
+        # everything that is not a parameter or an optimizer moment comes back exactly
+        roles = typed_roles(saved[0])
+        assert "state" in roles.values()  # BatchNorm statistics
+        for s in range(3):
+            got = leaves_by_path(restored[s])
+            for name, (_, value) in leaves_by_path(saved[s]).items():
+                if roles[name] not in ("param", "first_moment", "second_moment"):
+                    assert_bitwise(got[name][1], value, f"{label} step {s} {name}")
+
+    saved, stats, restored = runs["default"]
+    _, exact_stats, exact_restored = runs["exact"]
+    assert stats[0]["kind"] == "base" and stats[1]["kind"] == stats[2]["kind"] == "delta"
+    base_leaves = stats[0]["leaves"]
+    kernel = "params/Dense_0/kernel" if kind == "linen" else "model/l1/kernel/value"
+    assert base_leaves[kernel]["codec"] == "cluster"
+    assert exact_stats[0]["leaves"][kernel]["codec"] == "exact"
+    # Cluster(8) on the base's parameters: measured 4.8e-3 on this kernel, 7e-3 on Gaussians
+    assert 1e-3 < base_leaves[kernel]["rel_error"] <= 2e-2
+    params = (lambda t: t.params) if kind == "linen" else (
+        lambda t: nnx.filter_state(t["model"], nnx.Param))
+    assert 1e-3 < rel_l2(params(restored[0]), params(saved[0])) <= 2e-2
+    assert rel_l2(params(exact_restored[0]), params(saved[0])) == 0.0
+    # The moments have their own chains: bitwise the same in both runs.
+    roles = typed_roles(saved[0])
+    assert {"first_moment", "second_moment"} <= set(roles.values())
+    for s in range(3):
+        a, b = leaves_by_path(restored[s]), leaves_by_path(exact_restored[s])
+        for name, role in roles.items():
+            if role in ("first_moment", "second_moment"):
+                assert_bitwise(a[name][1], b[name][1], f"step {s} {name}")
+    # Closed loop: the delta right after the lossy base is about as close as after an exact
+    # base (measured 1.07x, 4.7e-3 vs 4.4e-3), the next one the same (1.01x).
+    errors = [rel_l2(params(restored[s]), params(saved[s])) for s in (1, 2)]
+    exact_errors = [rel_l2(params(exact_restored[s]), params(saved[s])) for s in (1, 2)]
+    assert exact_errors[0] > 0 and errors[0] <= 1.25 * exact_errors[0], (errors, exact_errors)
+    assert errors[1] <= 1.1 * exact_errors[1], (errors, exact_errors)

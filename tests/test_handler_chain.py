@@ -122,8 +122,15 @@ def test_every_step_of_a_multi_base_chain_restores_bitwise(
     assert max(sizes[s] for s in (2, 4, 8, 10, 14)) < min(sizes[s] for s in (0, 6, 12)) / 2
 
     # Lossy where promised: deltas of float params differ from the input but stay close;
-    # the base is exact.
-    assert_bitwise(recon[0]["params/w"], saved[0]["params"]["w"], "base")
+    # the base codes float params with Cluster(8): at most 255 values, relative L2 error
+    # below 2e-2 (about 7e-3 on Gaussian data).
+    base_codecs = {"/".join(str(k) for _, k in leaf["path"]): leaf["codec"]["id"]
+                   for leaf in read_manifest(item_dir(tmp_path, 0))["leaves"]}
+    assert base_codecs["params/w"] == "cluster"
+    w0 = np.asarray(saved[0]["params"]["w"])
+    assert not np.array_equal(recon[0]["params/w"], w0)
+    assert len(np.unique(recon[0]["params/w"])) <= 255
+    assert np.linalg.norm(recon[0]["params/w"] - w0) / np.linalg.norm(w0) <= 2e-2
     w = np.asarray(saved[10]["params"]["w"])
     assert not np.array_equal(recon[10]["params/w"], w)
     assert np.abs(recon[10]["params/w"] - w).max() < 0.05

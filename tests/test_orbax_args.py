@@ -16,6 +16,10 @@ from flax.training import orbax_utils
 
 import orbax_lossy as ol
 
+#: The default deltas with exact parameter bases (the default's bases are lossy): the tests
+#: below compare a base's restore bitwise with what Orbax would restore.
+EXACT_BASES = ol.LeafPolicy.create(base_defaults={"param": ol.Exact()})
+
 
 def _state() -> dict:
     return {
@@ -37,7 +41,7 @@ def saved(tmp_path):
 def test_flax_save_and_restore_args_from_target(saved, tmp_path) -> None:
     state = _state()
     save_args = orbax_utils.save_args_from_target(state)
-    with ol.checkpoint_manager(tmp_path / "flax") as mngr:
+    with ol.checkpoint_manager(tmp_path / "flax", policy=EXACT_BASES) as mngr:
         mngr.save(0, args=ol.LossySave(state, save_args=save_args))
         mngr.wait_until_finished()
         restore_args = orbax_utils.restore_args_from_target(state)
@@ -51,7 +55,7 @@ def test_save_args_dtype_casts_like_orbax(tmp_path) -> None:
     state = _state()
     save_args = jax.tree.map(lambda _: ocp.SaveArgs(), state)
     save_args["params"]["w"] = ocp.SaveArgs(dtype=jnp.bfloat16)
-    with ol.checkpoint_manager(tmp_path) as mngr:
+    with ol.checkpoint_manager(tmp_path, policy=EXACT_BASES) as mngr:
         mngr.save(0, args=ol.LossySave(state, save_args=save_args))
         mngr.wait_until_finished()
         out = mngr.restore(0)
@@ -128,7 +132,8 @@ def test_restore_without_target_uses_the_saved_sharding(tmp_path) -> None:
         mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
         sh = NamedSharding(mesh, P("data", "model"))
         w = jax.device_put(jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32), sh)
-        with ol.checkpoint_manager({os.fspath(tmp_path)!r}) as mngr:
+        exact_bases = ol.LeafPolicy.create(base_defaults={{"param": ol.Exact()}})
+        with ol.checkpoint_manager({os.fspath(tmp_path)!r}, policy=exact_bases) as mngr:
             mngr.save(0, args=ol.LossySave({{"w": w}}))
             mngr.wait_until_finished()
             got = mngr.restore(0)["w"]

@@ -167,8 +167,14 @@ def test_without_the_chain_policy_saves_are_self_contained_and_warn(tmp_path):
             mngr.wait_until_finished()
         assert mngr.all_steps() == [2]
         assert read_manifest(tmp_path / "2" / "default")["kind"] == "base"
+        held = snapshot(handler)
         restored = mngr.restore(2)
-        np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(state_at(2)["w"]))
+        # the handler's reconstruction of step 2 bit for bit (a self-contained base; the
+        # default's bases code float parameters with Cluster(8))
+        np.testing.assert_array_equal(np.asarray(restored["w"]).view(np.uint32),
+                                      held["w"].view(np.uint32))
+        np.testing.assert_allclose(np.asarray(restored["w"]), np.asarray(state_at(2)["w"]),
+                                   atol=2e-2)
 
 
 def test_unmanaged_deltas_opt_in_breaks_the_chain(tmp_path):

@@ -15,7 +15,7 @@ from nnx_models import Net
 from nnx_models import nnx_setup as shared_nnx_setup
 
 import orbax_lossy as ol
-from orbax_lossy.policy import DEFAULT_ROLE_CODECS, leaf_roles, path_roles
+from orbax_lossy.policy import DEFAULT_BASE_CODECS, DEFAULT_ROLE_CODECS, leaf_roles, path_roles
 from orbax_lossy.treepaths import flatten, path_str
 
 
@@ -34,6 +34,8 @@ def path_roles_by_path(tree) -> dict[str, str]:
 
 #: codec id of the default policy's parameter codec on delta saves
 PARAM_CODEC = DEFAULT_ROLE_CODECS["param"].codec_id
+#: the default policy's parameter codec on base saves
+BASE_PARAM_CODEC = DEFAULT_BASE_CODECS["param"].codec_id
 
 # ----------------------------------------------------------------------------- linen
 
@@ -187,8 +189,9 @@ def test_default_policy_on_nnx_state_with_roles():
     assert delta["opt/opt_state/0/mu/l1/kernel/value"] != "exact"
     assert delta["opt/opt_state/0/nu/l1/kernel/value"] == "lc"
     base = plan_by_path(ol.LeafPolicy(), tree, is_base=True)
-    assert base["model/l1/kernel/value"] == "exact"
-    assert base["model/bn/var/value"] == "exact"
+    assert BASE_PARAM_CODEC == "cluster" and DEFAULT_BASE_CODECS["param"] == ol.Cluster(8)
+    assert base["model/l1/kernel/value"] == base["model/bn/scale/value"] == BASE_PARAM_CODEC
+    assert base["model/bn/var/value"] == base["model/count/value"] == "exact"
     assert base["opt/opt_state/0/nu/l1/kernel/value"] == "cluster"
     # the adaptive policy gives `state` no budget: lossless
     adaptive = plan_by_path(ol.AdaptivePolicy(), tree, is_base=False)
@@ -208,6 +211,16 @@ def test_presets():
     default = plan_by_path(ol.LeafPolicy(), ts, is_base=False)
     assert default["opt_state/1/0/nu/Conv_0/kernel"] == "lc"
     assert default["batch_stats/BatchNorm_0/var"] == "exact"
+    # bases: lossless and params_only are all exact; the default codes params only
+    for preset in (ol.LeafPolicy.lossless(), ol.LeafPolicy.params_only()):
+        assert set(plan_by_path(preset, ts, is_base=True).values()) == {"exact"}
+    base = plan_by_path(ol.LeafPolicy(), ts, is_base=True)
+    assert {c for p, c in base.items() if p.startswith("params/")} == {BASE_PARAM_CODEC}
+    assert {c for p, c in base.items()
+            if p.startswith(("batch_stats/", "ema_params/", "loss_scale"))} == {"exact"}
+    exact_bases = ol.LeafPolicy.create(base_defaults={"param": ol.Exact()})
+    assert {c for p, c in plan_by_path(exact_bases, ts, is_base=True).items()
+            if p.startswith("params/")} == {"exact"}
     with pytest.raises(ol.errors.InvalidArgumentError, match="needs a reference"):
         ol.LeafPolicy.create(base_defaults={"param": ol.LC(3)})
 
@@ -233,3 +246,21 @@ def test_linen_batchnorm_state_saved_with_defaults(tmp_path, assert_bitwise):
         saved[2].params))
     assert any(differs)
     assert int(step(restored).step) == int(saved[2].step) + 1
+    # Step 0 is a base: parameters Cluster(8) (relative L2 error per leaf <= 2e-2; ~7e-3 on
+    # Gaussian data), everything that is not a parameter or a moment exact. Step 1, the delta
+    # after it, codes against the base's reconstruction: within the delta codec's bound.
+    fresh = ol.checkpoint_manager(tmp_path)
+    for s in (0, 1):
+        got = fresh.restore(s, args=ol.LossyRestore(ts))
+        for name in ("batch_stats", "ema_params", "loss_scale", "step"):
+            jax.tree.map(lambda a, b, n=name: assert_bitwise(a, b, n),
+                         getattr(got, name), getattr(saved[s], name))
+        for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(saved[s].params),
+                        strict=True):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            if s == 0:
+                assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
+            np.testing.assert_allclose(a, b, atol=0.05)
+    base_codecs = {r["path"]: r["codec"]["id"]
+                   for r in ol.checkpoint_stats(tmp_path / "0" / "default")}
+    assert {c for p, c in base_codecs.items() if p.startswith("params/")} == {BASE_PARAM_CODEC}

@@ -40,6 +40,7 @@ def test_encode_keeps_input_sharding(result):
 
 def test_chain_of_base_and_deltas_saved(result):
     assert result["kinds"] == {"0": "base", "1": "delta", "2": "delta", "3": "base", "4": "delta"}
+    assert result["base_codecs"]["params/w"] == "cluster"  # the default's lossy bases
     assert result["all_steps"] == [0, 1, 2, 3, 4]
 
 

@@ -147,6 +147,10 @@ def main(out_dir: str) -> None:
         if not np.all(count == 1):
             raise AssertionError(f"{name}: pieces cover the array {np.unique(count)} times")
     result["coverage"] = coverage
+    # The default policy's bases: params Cluster(8), restored bitwise above like any link.
+    base_manifest = read_manifest(os.path.join(root, "0", "default"))
+    result["base_codecs"] = {"/".join(str(k) for _, k in leaf["path"]): leaf["codec"]["id"]
+                             for leaf in base_manifest["leaves"]}
     data_files = sorted(n for n in os.listdir(os.path.join(root, "4", "default")))
     result["files_step4"] = data_files
 
@@ -205,7 +209,15 @@ def main(out_dir: str) -> None:
     mngr.close()
 
     # 5. Partial reads: restoring one quarter of `w` reads about a quarter of its payload.
-    step_dir = os.path.join(root, "0", "default")  # a base: exact raw payload, many chunks
+    # A lossless base (exact raw payload, many chunks; the default's bases code params with
+    # Cluster(8)).
+    exact_root = os.path.join(out_dir, "exact")
+    exact = orbax_lossy.LossyCheckpointHandler(
+        orbax_lossy.LeafPolicy.lossless(), chunk_bytes=CHUNK_BYTES)
+    with orbax_lossy.checkpoint_manager(exact_root, handler=exact) as emngr:
+        emngr.save(0, args=orbax_lossy.LossySave(make_state(save_sh, 0)))
+        emngr.wait_until_finished()
+    step_dir = os.path.join(exact_root, "0", "default")
     man = read_manifest(step_dir)
     wleaf = next(lf for lf in man["leaves"] if [k for _, k in lf["path"]] == ["params", "w"])
     w_payload = wleaf["stored_bytes"]
