@@ -543,7 +543,7 @@ def candidate_policies() -> dict[str, Any]:
         "default": ol.LeafPolicy(),
         "params only": ol.LeafPolicy.params_only(),
         "lossless": ol.LeafPolicy.lossless(),
-        "default exact-bases": ol.LeafPolicy.create(base_defaults=exact_bases),
+        "default nu exact-bases": ol.LeafPolicy.create(base_defaults=exact_bases),
         "p exact bases": ol.LeafPolicy.create(base_defaults={"param": ol.Exact()}),
         "mu LC1 direct": ol.LeafPolicy.create(defaults={"first_moment": ol.LC(1, mode="direct")}),
         "mu LC2 direct": ol.LeafPolicy.create(defaults={"first_moment": ol.LC(2, mode="direct")}),
@@ -590,7 +590,7 @@ DEFAULT_POLICIES = ("default", "params only")
 
 #: ``--levers``: the levers measured for docs/whole_state.md
 LEVER_POLICIES = (
-    "default", "default exact-bases", "mu LC1 direct", "mu LC2 direct", "mu LC3 direct",
+    "default", "default nu exact-bases", "mu LC1 direct", "mu LC2 direct", "mu LC3 direct",
     "nu LC3 log", "nu LC2 lin", "p LC2", "p LC3", "p LC4", "p Cl2 delta", "LC3+LC2mom", "adaptive",
 )
 

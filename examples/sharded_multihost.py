@@ -92,7 +92,8 @@ def train_step(params, key):
     }
 
 
-# base_interval=3: steps 0 and 3 are lossless bases, the others LC deltas (3-bit symbols).
+# base_interval=3: steps 0 and 3 are bases (parameters k-means coded with 255 centroids by the
+# default policy), the others deltas.
 handler = orbax_lossy.LossyCheckpointHandler(base_interval=3)
 mngr = orbax_lossy.checkpoint_manager(args.dir, handler=handler, max_to_keep=2)
 params = init(jax.random.key(0))
