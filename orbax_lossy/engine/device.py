@@ -138,6 +138,9 @@ decode_owned_tree = jax.jit(_decode_tree, static_argnames=("plan", "dtypes", "sh
 #: every leaf's temporaries (about 3 leaf sizes for LC/Cluster encodes) live for the whole
 #: program, so one program over a large state would hold 3 extra copies of it at once
 GROUP_BYTES = 64 << 20
+#: ... and of at most an eighth of the tree, unless that is below this (small trees stay one
+#: program), so the temporaries stay a fraction of the state at every size
+MIN_GROUP_BYTES = 4 << 20
 
 
 def _nbytes(x: Any) -> int:
@@ -147,12 +150,14 @@ def _nbytes(x: Any) -> int:
 
 
 def leaf_groups(sizes: Sequence[int], budget: int | None = None) -> list[range]:
-    """Consecutive leaves cut into groups of at most ``budget`` bytes (a larger leaf alone).
+    """Consecutive leaves cut into groups of at most ``budget`` bytes (a larger leaf alone;
+    default: ``GROUP_BYTES``, or an eighth of the tree if smaller, but ``MIN_GROUP_BYTES``).
 
     Depends on the leaves' global sizes only, so every process forms the same groups and a
     tree saved again reuses the same compiled programs.
     """
-    budget = GROUP_BYTES if budget is None else budget
+    if budget is None:
+        budget = min(GROUP_BYTES, max(MIN_GROUP_BYTES, sum(sizes) // 8))
     groups, start, total = [], 0, 0
     for j, size in enumerate(sizes):
         if j > start and total + size > budget:
