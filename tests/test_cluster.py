@@ -137,7 +137,9 @@ def test_direct_cluster_codes_base_saves_and_restores_from_the_newest_link(tmp_p
     rng = np.random.default_rng(5)
     nu = jnp.asarray(np.exp(rng.normal(size=(128, 64)) * 2), jnp.float32)
     w = jnp.asarray(rng.standard_normal((128, 64)), jnp.float32)
-    policy = ol.LeafPolicy.create(rules=[("nu", Cluster(6, domain="log"))])
+    # exact parameter bases (the default codes them with Cluster(8)): `w` is the exact control
+    policy = ol.LeafPolicy.create(rules=[("nu", Cluster(6, domain="log"))],
+                                  base_defaults={"param": ol.Exact()})
     mngr = ol.checkpoint_manager(tmp_path, policy=policy, base_interval=3, max_to_keep=None)
     for step in range(3):
         mngr.save(step, args=ol.LossySave({"w": w + step * 1e-3, "nu": nu * (1 + step / 10)}))

@@ -86,7 +86,9 @@ def test_uniform_first_moments_through_the_handler(tmp_path) -> None:
     rng = np.random.default_rng(1)
     state = {"params": {"w": jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)},
              "opt_state": {"mu": {"w": jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)}}}
-    policy = LeafPolicy.create(rules=[("role:first_moment", ol.Uniform(6))])
+    # exact parameter bases (the default codes them with Cluster(8)): params are the control
+    policy = LeafPolicy.create(rules=[("role:first_moment", ol.Uniform(6))],
+                               base_defaults={"param": ol.Exact()})
     mngr = ol.checkpoint_manager(tmp_path, policy=policy)
     mngr.save(0, args=ol.LossySave(state))
     mngr.wait_until_finished()
