@@ -130,6 +130,21 @@ def tuple_encode(
     return pos
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _decode_codes(data, pos, end, buf, nbits, lut, shift, expand, out, o, count):
+    """Decode ``count`` codes one lookup each, writing their ``expand`` rows at ``out[o:]``;
+    returns ``(ok, pos, buf, nbits, o)`` (not ok: a bit pattern that is no code)."""
+    k = expand.shape[1]
+    for _ in range(count):
+        s, ln, pos, buf, nbits = _read_code(data, pos, end, buf, nbits, lut, shift)
+        if ln == 0:
+            return False, pos, buf, nbits, o
+        for j in range(k):
+            out[o + j] = expand[s, j]
+        o += k
+    return True, pos, buf, nbits, o
+
+
 @njit(nogil=True, cache=True)
 def tuple_decode(
     data: np.ndarray,
@@ -158,13 +173,10 @@ def tuple_decode(
         o = u0 * k
         buf = np.uint64(0)
         nbits = 0
-        for _ in range(cnt):
-            s, ln, pos, buf, nbits = _read_code(data, pos, end, buf, nbits, lut, shift)
-            if ln == 0:
-                return STATUS_BAD_CODE
-            for j in range(k):
-                out[o + j] = expand[s, j]
-            o += k
+        ok, pos, buf, nbits, o = _decode_codes(data, pos, end, buf, nbits, lut, shift, expand,
+                                               out, o, cnt)
+        if not ok:
+            return STATUS_BAD_CODE
         status = _block_status(offsets[b], end, pos, nbits)
         if status != STATUS_OK:
             return status
@@ -269,13 +281,10 @@ def tuple_decode_multi(
             buf <<= np.uint64(ln)
             nbits -= ln
             remaining -= c
-        for _ in range(remaining):
-            s, ln, pos, buf, nbits = _read_code(data, pos, end, buf, nbits, lut, shift)
-            if ln == 0:
-                return STATUS_BAD_CODE
-            for j in range(k):
-                out[o + j] = expand[s, j]
-            o += k
+        ok, pos, buf, nbits, o = _decode_codes(data, pos, end, buf, nbits, lut, shift, expand,
+                                               out, o, remaining)
+        if not ok:
+            return STATUS_BAD_CODE
         status = _block_status(offsets[b], end, pos, nbits)
         if status != STATUS_OK:
             return status
