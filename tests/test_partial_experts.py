@@ -132,6 +132,30 @@ def test_sequential_round_robin_interleaved():
     assert selection.sequential(8, 2, 0, 0, shards=4) == [0, 1]  # K < shards: unbalanced
 
 
+@pytest.mark.parametrize("n,k,layers,shards", [(16, 2, 4, 8), (16, 1, 8, 8), (8, 2, 4, 8),
+                                               (32, 4, 2, 8), (12, 2, 3, 6)])
+def test_striped_rotation_balances_scanned_layers_over_more_shards_than_k(n, k, layers,
+                                                                           shards):
+    # K < P shards: no layer row is balanced, but the L rows of a save hold L*K/P slices of
+    # every shard (the flat cut's condition), and each row still sees every expert in N/K saves
+    assert selection.striped(n, k, layers, shards)
+    per = n // shards
+    for cursor in range(2 * n // k):
+        rows = [selection.sequential(n, k, cursor, p, stripes=shards) for p in range(layers)]
+        owners = np.bincount([e // per for row in rows for e in row], minlength=shards)
+        assert owners.tolist() == [layers * k // shards] * shards
+        assert all(len(set(row)) == k for row in rows)
+    for p in range(layers):
+        seen = set()
+        for cursor in range(n // k):
+            seen.update(selection.sequential(n, k, cursor, p, stripes=shards))
+        assert seen == set(range(n))
+    # one expert per shard: the striped order is the plain one
+    assert all(selection.sequential(8, 2, c, p, stripes=8) == selection.sequential(8, 2, c, p)
+               for c in range(4) for p in range(4))
+    assert not selection.striped(16, 2, 3, 8)  # 6 slices over 8 shards: gathered
+
+
 def test_load_aware_top_k_ties_and_staleness():
     unsaved = [5, 9, 9, 1, 0, 0, 0, 7]
     age = [0, 1, 3, 0, 0, 0, 0, 0]

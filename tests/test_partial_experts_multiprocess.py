@@ -73,6 +73,18 @@ def test_each_process_writes_only_the_held_experts_it_owns(results):
         assert 0.2 < part[f] / full[f] < 0.3, (f, part[f], full[f])
 
 
+def test_k_below_the_expert_shards_cuts_flat_per_process(results):
+    # scan/w [8, 4 layers, 6] over 8 expert shards (4 per process), K=2: the striped rotation
+    # holds 8 (layer, expert) slices per save, one per shard, so each process writes 4 of its
+    # 16 full-save slices, cut locally (no gather onto one process)
+    rows = results[0]["scan_rows"]
+    assert sorted(e for _, e in rows) == list(range(8))
+    full, part = results[0]["expert_bytes"]["scan1"], results[0]["expert_bytes"]["scan4"]
+    assert set(full) == set(part) == {"data.p0.bin", "data.p1.bin"}
+    for f in full:
+        assert 0.2 < part[f] / full[f] < 0.3, (f, part[f], full[f])
+
+
 def test_every_process_restores_the_oracle(results):
     assert results[0]["oracle"] == "ok" and results[1]["oracle"] == "ok"
 
@@ -94,9 +106,11 @@ def _worker(rank: int, port: str, out: str) -> None:
 
     warnings.simplefilter("ignore")
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("expert", "data"))
+    mesh8 = Mesh(np.array(jax.devices()), ("ep",))
     shard = {"w": NamedSharding(mesh, P("expert", None, None)),
-             "dense": NamedSharding(mesh, P())}
-    shapes = {"w": (8, 6, 4), "dense": (6, 6)}
+             "dense": NamedSharding(mesh, P()),
+             "scan": NamedSharding(mesh8, P("ep", None, None))}
+    shapes = {"w": (8, 6, 4), "dense": (6, 6), "scan": (8, 4, 6)}
 
     def values(step: int) -> dict[str, np.ndarray]:
         return {k: np.random.default_rng(10 * step + i).standard_normal(s).astype(np.float32)
@@ -106,16 +120,17 @@ def _worker(rank: int, port: str, out: str) -> None:
         v = values(step)
         arrays = {k: jax.make_array_from_callback(v[k].shape, shard[k],
                                                   lambda idx, a=v[k]: a[idx]) for k in v}
-        return {"params": {"moe": {"w": arrays["w"]}, "dense": arrays["dense"]}}
+        return {"params": {"moe": {"w": arrays["w"]}, "dense": arrays["dense"],
+                           "scan": {"w": arrays["scan"]}}}
 
     exact = ol.LeafPolicy.create(defaults={r: ol.Exact() for r in ROLES})
     root = os.path.join(out, "ckpt")
-    rules = [(r"moe/w$", 0)]
+    rules = [(r"moe/w$", 0), (r"scan/w$", 0, 1)]
     mngr = ol.checkpoint_manager(root, partial_experts=ol.PartialExperts(k=2, rules=rules),
                                  policy=exact, max_to_keep=2)
     for step in range(1, 5):
         mngr.save(step, args=ol.LossySave(state(step), expert_tokens={
-            "moe": np.full(8, 3, np.int64)}))
+            "moe": np.full(8, 3, np.int64), "scan": np.full((4, 8), 3, np.int64)}))
         mngr.wait_until_finished()
     mngr.close()
     item = os.path.join(root, "4", "default")
@@ -123,7 +138,9 @@ def _worker(rank: int, port: str, out: str) -> None:
     target = {"params": {"moe": {"w": jax.ShapeDtypeStruct((8, 6, 4), np.float32,
                                                            sharding=shard["w"])},
                          "dense": jax.ShapeDtypeStruct((6, 6), np.float32,
-                                                       sharding=shard["dense"])}}
+                                                       sharding=shard["dense"]),
+                         "scan": {"w": jax.ShapeDtypeStruct((8, 4, 6), np.float32,
+                                                            sharding=shard["scan"])}}}
     mngr = ol.checkpoint_manager(root, partial_experts=ol.PartialExperts(k=2, rules=rules),
                                  policy=exact)
     tree = mngr.restore(4, args=ol.LossyRestore(target))
@@ -136,6 +153,13 @@ def _worker(rank: int, port: str, out: str) -> None:
             want = values(rep["expert_steps"]["moe"][e])["w"][e]
             if not np.array_equal(np.asarray(s.data[j]), want):
                 verdict = f"expert {e} differs from step {rep['expert_steps']['moe'][e]}"
+    scan = tree["params"]["scan"]["w"]
+    for s in scan.addressable_shards:
+        e = s.index[0].start or 0
+        for layer in range(4):
+            h = rep["expert_steps"]["scan"][layer][e]
+            if not np.array_equal(np.asarray(s.data[0, layer]), values(h)["scan"][e, layer]):
+                verdict = f"scan expert {e} layer {layer} differs from step {h}"
     d = tree["params"]["dense"]
     if not np.array_equal(np.asarray(d.addressable_shards[0].data), values(4)["dense"]):
         verdict = "dense differs"
@@ -146,12 +170,15 @@ def _worker(rank: int, port: str, out: str) -> None:
 
     expert_bytes: dict = {}
     for s in (1, 4):
-        entry = _find(read_manifest(os.path.join(root, str(s), "default")), "params/moe/w")
-        per: dict = {}
-        for p in entry.pieces:
-            per[p.file] = per.get(p.file, 0) + p.length
-        expert_bytes[str(s)] = per
-    result = {"held": rep["held"], "depends_on": rep["depends_on"], "oracle": verdict,
+        for label, name in (("", "params/moe/w"), ("scan", "params/scan/w")):
+            entry = _find(read_manifest(os.path.join(root, str(s), "default")), name)
+            per: dict = {}
+            for p in entry.pieces:
+                per[p.file] = per.get(p.file, 0) + p.length
+            expert_bytes[f"{label}{s}"] = per
+    result = {"held": rep["held"],
+              "scan_rows": [[lyr, e] for lyr, row in enumerate(rep["held"]["scan"])
+                            for e in row], "depends_on": rep["depends_on"], "oracle": verdict,
               "expert_bytes": expert_bytes,
               "data_files": files,
               "data_bytes": [os.path.getsize(os.path.join(item, f)) for f in files]}

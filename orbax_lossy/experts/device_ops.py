@@ -12,13 +12,23 @@ Two programs, chosen per leaf and save:
   (``K / P`` rows per shard) and is cut inside :func:`jax.shard_map` from each shard's own
   rows: no collective, each device (so each process) holds, encodes and writes exactly the
   held experts it owns.
-* **Gathered** (otherwise: K < P, an unbalanced load-aware choice, an unsharded or
-  single-device leaf): the slot keeps the leaf's sharding except along the expert axis, which
-  is replicated; with a sharded expert axis XLA moves the held rows between devices.
+* **Flat** (:func:`flat_plan` is not None; typically K < P with scanned layers): the held
+  (layer, expert) slices of the whole leaf are spread evenly over the ``P`` expert shards
+  (``m = L K / P`` per shard; the striped rotation of :mod:`orbax_lossy.experts.selection`
+  makes it so when ``P`` divides ``L K``), but no single layer row is. The slot is then a flat
+  stack ``[P m, ...rest]`` of canonical slices (``rest``: the leaf's other axes, in order),
+  row ``r`` holding ``x[.., rows[r].expert @ a, .., rows[r].layer @ b, ..]``, shard-major and
+  sharded like the leaf (expert mesh axes on the rows): again no collective, each shard cuts
+  its own ``m`` slices. The row order is recorded in the PEC record.
+* **Gathered** (otherwise: K < P without enough layers to balance, an unbalanced load-aware
+  choice, an unsharded or single-device leaf): the slot keeps the leaf's sharding except along
+  the expert axis, which is replicated; with a sharded expert axis XLA moves the held rows
+  between devices.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -91,6 +101,54 @@ def slot_sharding(x: jax.Array, axis: int, local: bool = False):
     return None
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class FlatCut:
+    """A flat slot's layout (see the module docstring).
+
+    ``rows``: int ``[R, 2]``, the (layer, expert) slice of slot row ``r``; ``local``: int
+    ``[P, m, 2]``, per expert shard the (local expert, layer) of its ``m`` rows; ``source``:
+    the leaf sharding the plan was made for; ``sharding``: the slot's.
+    """
+
+    rows: np.ndarray
+    local: np.ndarray
+    source: NamedSharding
+    sharding: NamedSharding
+    axis: int
+    layer: int | None
+
+
+def flat_plan(x, held: np.ndarray, axis: int, layer: int | None) -> FlatCut | None:
+    """A flat cut of ``x`` when every expert shard owns the same number of held slices over
+    all layer rows (and the layer axis, if any, is not sharded), else None."""
+    parts = expert_shards(x, axis)
+    if parts <= 1:
+        return None
+    sharding = x.sharding
+    spec = _spec(sharding, x.ndim)
+    n = int(x.shape[axis])
+    held = np.asarray(held, np.int64)
+    if n % parts or (layer is not None and (spec[layer] is not None
+                                            or held.shape[0] != x.shape[layer])):
+        return None
+    per = n // parts
+    owned: list[list[tuple[int, int]]] = [[] for _ in range(parts)]
+    for row, h in enumerate(held):
+        if len(set(h.tolist())) != len(h):
+            return None
+        for e in h:
+            owned[int(e) // per].append((row, int(e)))
+    m = len(owned[0])
+    if m == 0 or any(len(o) != m for o in owned):
+        return None
+    owned = [sorted(o) for o in owned]
+    rows = np.asarray([pair for o in owned for pair in o], np.int64)
+    local = np.asarray([[(e % per, row) for row, e in o] for o in owned], np.int32)
+    rest = [spec[d] for d in range(x.ndim) if d != axis and d != layer]
+    slot = NamedSharding(sharding.mesh, P(spec[axis], *rest))
+    return FlatCut(rows, local, sharding, slot, axis, layer)
+
+
 def _canon(x, axis, layer):
     if layer is None:
         return jnp.moveaxis(x, axis, 0)[:, None]
@@ -138,6 +196,38 @@ def _local_program(kind: str, mesh, spec, idx_spec, axis: int, layer: int | None
                                  out_specs=spec))
 
 
+@functools.lru_cache(maxsize=256)
+def _flat_program(kind: str, mesh, spec, slot_spec, idx_spec, axis: int, layer: int | None):
+    """Flat ``take``/``put`` per shard: its ``m`` (local expert, layer) slices."""
+    if kind == "take":
+        def take_body(x, idx):
+            c = _canon(x, axis, layer)
+            return c[idx[0, :, 0], idx[0, :, 1]]
+
+        return jax.jit(jax.shard_map(take_body, mesh=mesh, in_specs=(spec, idx_spec),
+                                     out_specs=slot_spec))
+
+    def put_body(x, slot, idx):
+        c = _canon(x, axis, layer)
+        return _uncanon(c.at[idx[0, :, 0], idx[0, :, 1]].set(slot), axis, layer)
+
+    return jax.jit(jax.shard_map(put_body, mesh=mesh, in_specs=(spec, slot_spec, idx_spec),
+                                 out_specs=spec))
+
+
+def _flat_call(kind: str, x, cut: FlatCut):
+    if x.sharding != cut.source:
+        x = jax.device_put(x, cut.source)
+    spec = cut.source.spec
+    expert_entry = _spec(cut.source, x.ndim)[cut.axis]
+    idx_spec = P(expert_entry, None, None)
+    idx = jax.make_array_from_callback(cut.local.shape, NamedSharding(cut.source.mesh, idx_spec),
+                                       lambda i: cut.local[i])
+    fn = _flat_program(kind, cut.source.mesh, spec, cut.sharding.spec, idx_spec, cut.axis,
+                       cut.layer)
+    return fn, x, idx
+
+
 def _replicated_like(sharding, value):
     if isinstance(sharding, NamedSharding):
         return jax.device_put(value, NamedSharding(sharding.mesh, P()))
@@ -155,7 +245,10 @@ def _local_index(x, plan: np.ndarray, axis: int, layer: int | None):
     return idx, idx_spec
 
 
-def _take_call(x, held, axis, layer):
+def _take_call(x, held, axis, layer, flat=None):
+    if flat is not None:
+        fn, x, idx = _flat_call("take", x, flat)
+        return fn, (x, idx), {}
     plan = local_plan(x, held, axis, layer)
     if plan is not None:
         idx, idx_spec = _local_index(x, plan, axis, layer)
@@ -166,19 +259,27 @@ def _take_call(x, held, axis, layer):
     return _program(_take, out), (x, idx), {"axis": axis, "layer": layer}
 
 
-def take(x: jax.Array, held: np.ndarray, axis: int, layer: int | None) -> jax.Array:
-    """The held experts of ``x`` (``held``: int [layers, K], rows sorted)."""
-    fn, args, kw = _take_call(x, held, axis, layer)
+def take(x: jax.Array, held: np.ndarray, axis: int, layer: int | None,
+         flat: FlatCut | None = None) -> jax.Array:
+    """The held experts of ``x`` (``held``: int [layers, K], rows sorted); with ``flat``, the
+    flat slot of that cut."""
+    fn, args, kw = _take_call(x, held, axis, layer, flat)
     return fn(*args, **kw)
 
 
-def take_hlo(x: jax.Array, held: np.ndarray, axis: int, layer: int | None) -> str:
+def take_hlo(x: jax.Array, held: np.ndarray, axis: int, layer: int | None,
+             flat: FlatCut | None = None) -> str:
     """The compiled HLO text of the program :func:`take` runs (tests look for collectives)."""
-    fn, args, kw = _take_call(x, held, axis, layer)
+    fn, args, kw = _take_call(x, held, axis, layer, flat)
     return fn.lower(*args, **kw).compile().as_text()
 
 
-def _put_call(x, slot, held, axis, layer):
+def _put_call(x, slot, held, axis, layer, flat=None):
+    if flat is not None:
+        fn, x, idx = _flat_call("put", x, flat)
+        if slot.sharding != flat.sharding:
+            slot = jax.device_put(slot, flat.sharding)
+        return fn, (x, slot, idx), {}
     plan = local_plan(x, held, axis, layer)
     if plan is not None:
         if slot.sharding != x.sharding:
@@ -197,16 +298,17 @@ def _put_call(x, slot, held, axis, layer):
 
 
 def put(x: jax.Array, slot: jax.Array, held: np.ndarray, axis: int,
-        layer: int | None) -> jax.Array:
-    """``x`` with its held experts replaced by ``slot`` (same sharding as ``x``)."""
-    fn, args, kw = _put_call(x, slot, held, axis, layer)
+        layer: int | None, flat: FlatCut | None = None) -> jax.Array:
+    """``x`` with its held experts replaced by ``slot`` (same sharding as ``x``; with ``flat``,
+    the leaf sharding the cut was planned for)."""
+    fn, args, kw = _put_call(x, slot, held, axis, layer, flat)
     return fn(*args, **kw)
 
 
 def put_hlo(x: jax.Array, slot: jax.Array, held: np.ndarray, axis: int,
-            layer: int | None) -> str:
+            layer: int | None, flat: FlatCut | None = None) -> str:
     """The compiled HLO text of the program :func:`put` runs."""
-    fn, args, kw = _put_call(x, slot, held, axis, layer)
+    fn, args, kw = _put_call(x, slot, held, axis, layer, flat)
     return fn.lower(*args, **kw).compile().as_text()
 
 

@@ -63,6 +63,7 @@ class PreparedSave:
     shardings: dict[str, Any]  # slot leaf name -> the full expert leaf's sharding (or None)
     state: _ItemState | None  # None: K = N, a normal save
     meta: dict[str, Any]
+    cuts: dict[str, ops.FlatCut] = dataclasses.field(default_factory=dict)  # flat slots
 
     def reference(self, held: Any, paths: Sequence[StoredPath], signature: Sequence[Any]) -> Any:
         """The handler's reference with the slots' values replaced by per-expert references.
@@ -94,8 +95,11 @@ class PreparedSave:
         (and layer) axis, so that every stored piece belongs to one expert of one layer."""
         out: dict[int, tuple[int, ...]] = {}
         for i, p in enumerate(paths):
-            slot = self.slots.get(path_str(p))
-            if slot is not None:
+            name = path_str(p)
+            slot = self.slots.get(name)
+            if name in self.cuts:
+                out[i] = (0,)  # a flat slot: one (layer, expert) slice per row
+            elif slot is not None:
                 _, axis, layer = slot
                 out[i] = (axis,) if layer is None else (axis, layer)
         return out
@@ -233,12 +237,14 @@ class PartialExperts(_RestoreSide):
             accounting.add_tokens(c, None if tokens is None else tokens.get(g.name), g.name)
             k = min(st.k, g.n)
             shards = _group_shards(g, leaves, k)
+            stripes = 1 if shards > 1 else _group_stripes(g, leaves, k)
             rows = []
             for layer in range(g.layers):
                 if full or k >= g.n:
                     rows.append(list(range(g.n)))
                 elif self.selection == "sequential":
-                    rows.append(selection.sequential(g.n, k, st.cursor, position, shards))
+                    rows.append(selection.sequential(g.n, k, st.cursor, position, shards,
+                                                     stripes))
                 else:
                     rows.append(selection.load_aware(g.n, k, c.unsaved[layer], c.age[layer],
                                                      self.max_staleness, shards))
@@ -273,6 +279,7 @@ class PartialExperts(_RestoreSide):
         dropped: set[int] = set()
         extra_leaves: list[tuple[int, StoredPath, Any]] = []
         full_shardings: dict[str, Any] = {}
+        cuts: dict[str, ops.FlatCut] = {}
         units_meta: dict[str, list[dict[str, Any]]] = {}
         for g in layout.groups.values():
             h = held[g.name]
@@ -284,13 +291,20 @@ class PartialExperts(_RestoreSide):
                     if not isinstance(x, jax.Array):
                         x = jnp.asarray(x)
                     name = prefix + path_str(paths[unit.leaf])
-                    replaced[unit.leaf] = ops.take(x, h, unit.expert_axis, unit.layer_axis)
-                    slots[name] = (key, unit.expert_axis, unit.layer_axis)
+                    axis, layer = unit.expert_axis, unit.layer_axis
+                    cut = (None if ops.local_plan(x, h, axis, layer) is not None
+                           else ops.flat_plan(x, h, axis, layer))
+                    replaced[unit.leaf] = ops.take(x, h, axis, layer, cut)
+                    slots[name] = (key, axis, layer)
                     full_shardings[name] = getattr(x, "sharding", None)
                     mosaic = st.mosaic.get(key)
                     ref_values[name] = None if mosaic is None else ops.take(
-                        mosaic, h, unit.expert_axis, unit.layer_axis)
-                    units_meta[g.name].append({**unit.describe(paths), "path": name})
+                        mosaic, h, axis, layer, cut)
+                    described = {**unit.describe(paths), "path": name}
+                    if cut is not None:
+                        cuts[name] = cut
+                        described.update(rows=cut.rows.tolist(), shape=list(x.shape))
+                    units_meta[g.name].append(described)
                 else:  # one subtree per expert: the held experts' leaves, stacked
                     name = prefix + path_str(unit.slot_path)
                     first = min(unit.members.values())
@@ -336,7 +350,7 @@ class PartialExperts(_RestoreSide):
         if hasattr(save_args, "expert_tokens"):
             save_args.expert_tokens = None
         return PreparedSave(save_args, tuple(sorted(extra)), self, item, step, full, held,
-                            slots, ref_values, full_shardings, st, meta)
+                            slots, ref_values, full_shardings, st, meta, cuts)
 
     def _publish(self, prepared: PreparedSave, reference: Any) -> None:
         """Record this save's reconstruction of the held experts (commit thread).
@@ -357,20 +371,20 @@ class PartialExperts(_RestoreSide):
             slot = tree_leaves[name]
             st.pending.append((key, axis, layer, slot if recon is None else recon, slot,
                                prepared.held[key.rsplit("#", 1)[0]], prepared.full,
-                               prepared.shardings.get(name)))
+                               prepared.shardings.get(name), prepared.cuts.get(name)))
         with self._lock:
             self._items[prepared.item] = st
 
     @staticmethod
     def _materialize(st: _ItemState) -> None:
         """Fold published reconstructions into the mosaic (training thread)."""
-        for key, axis, layer, recon, slot, held, full, sharding in st.pending:
+        for key, axis, layer, recon, slot, held, full, sharding, cut in st.pending:
             if isinstance(recon, np.ndarray):
                 recon = jax.device_put(recon, slot.sharding)
             if full:
                 st.mosaic[key] = recon if sharding is None else jax.device_put(recon, sharding)
             else:
-                st.mosaic[key] = ops.put(st.mosaic[key], recon, held, axis, layer)
+                st.mosaic[key] = ops.put(st.mosaic[key], recon, held, axis, layer, cut)
         st.pending = []
 
     def mosaic(self, item: str = "default") -> dict[str, Any]:
@@ -398,6 +412,16 @@ def _group_shards(g: Any, leaves: Sequence[Any], k: int) -> int:
     if selection.balanced(g.n, k, lcm):
         return lcm
     fits = [p for p in splits if selection.balanced(g.n, k, p)]
+    return max(fits, default=1)
+
+
+def _group_stripes(g: Any, leaves: Sequence[Any], k: int) -> int:
+    """Expert shards to stripe the sequential rotation over (1: none) when no row can be
+    balanced: the largest stacked leaf's expert-axis split ``P > K`` dividing N and
+    ``layers * K`` (see :mod:`orbax_lossy.experts.selection`)."""
+    splits = {ops.expert_shards(leaves[u.leaf], u.expert_axis) for u in g.units
+              if u.kind == "stacked"}
+    fits = [p for p in splits if selection.striped(g.n, k, g.layers, p)]
     return max(fits, default=1)
 
 

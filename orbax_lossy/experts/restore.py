@@ -236,7 +236,7 @@ def _paths_without_target(manifest: Manifest, meta: dict[str, Any]):
             paths.append(leaf.path[1:] if wrapped else leaf.path)
             targets.append(_Any())
         elif unit["kind"] == "stacked":
-            shape = list(leaf.shape)
+            shape = list(unit.get("shape") or leaf.shape)  # a flat slot records the leaf's
             shape[unit["expert_axis"]] = unit["n"]
             paths.append(leaf.path[1:] if wrapped else leaf.path)
             targets.append(jax.ShapeDtypeStruct(tuple(shape), leaf.dtype))
@@ -246,6 +246,16 @@ def _paths_without_target(manifest: Manifest, meta: dict[str, Any]):
                 paths.append(tuple(("d", k) for k in name.split("/")))
                 targets.append(jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype))
     return paths, targets, None
+
+
+def _flat_rows(unit: dict[str, Any], held: list[list[int]]) -> dict[tuple[int, int], int] | None:
+    """For a flat slot (``unit["rows"]``: the (layer, expert) of each row), the row of every
+    held position ``(layer, j)``; None for a ``[K @ axis, L @ layer]`` slot."""
+    rows = unit.get("rows")
+    if rows is None:
+        return None
+    where = {(int(lyr), int(e)): r for r, (lyr, e) in enumerate(rows)}
+    return {(lyr, j): where[lyr, int(e)] for lyr, h in enumerate(held) for j, e in enumerate(h)}
 
 
 def _shape_of(target: Any, manifest: Manifest, name: str) -> tuple[int, ...] | None:
@@ -411,6 +421,7 @@ class _Context:
             unit = next(u for u in rec["units"] if u.get("path") == name)
             axis, layer = unit["expert_axis"], unit["layer_axis"]
             held = rec["held"]
+            flat = _flat_rows(unit, held)  # (layer, j) -> slot row, for a flat slot
             every = {(lyr, j) for lyr in range(len(held)) for j in range(len(held[0]))}
             rows = sorted(self._need.get(key) or every)
             shape = self._entry(step, name, group, expert).shape
@@ -419,9 +430,12 @@ class _Context:
                 regions = []
                 for lyr, j in rows:
                     box = [(0, n) for n in shape]
-                    box[axis] = (j, j + 1)
-                    if layer is not None:
-                        box[layer] = (lyr, lyr + 1)
+                    if flat is not None:
+                        box[0] = (flat[lyr, j], flat[lyr, j] + 1)
+                    else:
+                        box[axis] = (j, j + 1)
+                        if layer is not None:
+                            box[layer] = (lyr, lyr + 1)
                     regions.append(tuple(box))
 
             def ref() -> jax.Array:
@@ -430,6 +444,9 @@ class _Context:
                        for lyr, j in rows}
                 some = next(iter(got.values()))
                 blank = jnp.zeros_like(some)
+                if flat is not None:
+                    order = sorted(flat, key=flat.__getitem__)
+                    return jnp.stack([got.get(pos, blank) for pos in order])
                 return ops.from_canonical(jnp.stack([
                     jnp.stack([got.get((lyr, j), blank) for lyr in range(len(held))])
                     for j in range(len(held[0]))]), axis, layer)
@@ -448,6 +465,9 @@ class _Context:
         """Expert ``e`` (layer ``layer``) of stacked leaf ``name`` as saved at ``step``."""
         rec, j = self._row(group, name, layer, e, step)
         unit = next(u for u in rec["units"] if u.get("path") == name)
+        flat = _flat_rows(unit, rec["held"])
+        if flat is not None:
+            return self.slot(group, name, step, e)[flat[layer, j]]
         canon = ops.expert_slices(self.slot(group, name, step, e), unit["expert_axis"],
                                   unit["layer_axis"])
         return canon[j, layer]

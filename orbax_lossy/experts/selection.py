@@ -15,6 +15,13 @@ into, when ``P`` divides both N and K): both selections run per shard, ``K / P``
 ``N / P`` experts, so every shard holds the same number of held experts in every layer (the
 paper's balanced per-rank schedule) and the held slices are cut shard-locally
 (:mod:`orbax_lossy.experts.device_ops`). ``P = 1`` is the plain rule above.
+
+Fewer held experts than shards (``K < P``, ``P`` dividing N and ``L K``, ``L`` the group's
+layer rows): sequential selection walks the experts *striped* over the shards, position ``i``
+standing for expert ``(i mod P) N/P + i div P`` (shard ``i mod P``). A group's ``L`` rows
+hold ``L K`` consecutive positions, so every shard holds ``L K / P`` slices of the leaf (no
+single row can be balanced) and the flat cut stays shard-local. With ``P = N`` (one expert
+per shard) the order is the plain one.
 """
 
 from __future__ import annotations
@@ -29,8 +36,19 @@ def balanced(n: int, k: int, shards: int) -> bool:
     return shards > 1 and n % shards == 0 and min(k, n) % shards == 0
 
 
-def sequential(n: int, k: int, cursor: int, position: int, shards: int = 1) -> list[int]:
-    """Held experts of one row (sorted)."""
+def striped(n: int, k: int, layers: int, shards: int) -> bool:
+    """Whether a group's ``layers`` rows of ``k < shards`` experts balance over the shards."""
+    return shards > 1 and k < shards and n % shards == 0 and (layers * k) % shards == 0
+
+
+def sequential(n: int, k: int, cursor: int, position: int, shards: int = 1,
+               stripes: int = 1) -> list[int]:
+    """Held experts of one row (sorted); ``stripes``: the striped order over that many
+    shards (see the module docstring)."""
+    if stripes > 1:
+        per = n // stripes
+        return sorted((i % stripes) * per + i // stripes
+                      for i in sequential(n, k, cursor, position))
     if balanced(n, k, shards):
         per, kp = n // shards, min(k, n) // shards
         return sorted(p * per + e for p in range(shards)
