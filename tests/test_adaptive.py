@@ -23,18 +23,23 @@ from orbax_lossy.policy import AdaptivePolicy
 from orbax_lossy.policy.adaptive import leaf_statistics
 from orbax_lossy.treepaths import flatten, path_str
 
+#: width of every layer: both kernels are (WIDTH, WIDTH) and both biases (WIDTH,), like the
+#: frozen bf16 table, so a save compiles its per-leaf statistics and codec programs for two
+#: shapes per dtype and role, not four (AdaptivePolicy compiles one per distinct leaf shape)
+WIDTH = 64
+
 
 class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
-        x = nn.relu(nn.Dense(192)(x))
-        return nn.Dense(8)(x)
+        x = nn.relu(nn.Dense(WIDTH)(x))
+        return nn.Dense(WIDTH)(x)
 
 
 def trainer(lr: float = 1e-4):
     model, tx = MLP(), optax.adamw(lr)
-    xs = jax.random.normal(jax.random.key(1), (64, 32))
-    ys = jax.random.normal(jax.random.key(2), (64, 8))
+    xs = jax.random.normal(jax.random.key(1), (64, WIDTH))
+    ys = jax.random.normal(jax.random.key(2), (64, WIDTH))
 
     @jax.jit
     def step(params, opt_state):
@@ -54,7 +59,7 @@ def train(params, opt_state, step, n: int):
 
 def make_state(params, opt_state, t: int) -> dict:
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-    frozen = jax.random.normal(jax.random.key(7), (64, 64), jnp.bfloat16)  # a frozen table
+    frozen = jax.random.normal(jax.random.key(7), (WIDTH, WIDTH), jnp.bfloat16)  # frozen table
     return {"params": params, "bf16": bf16, "frozen": frozen, "opt_state": opt_state,
             "step": jnp.int32(t)}
 
