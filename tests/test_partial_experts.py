@@ -94,6 +94,13 @@ def test_default_groups_pair_params_and_moments():
     layout = plan_layout(paths, [(8, 2, 3)] * 2, parse_rules(RULES))
     assert list(layout.groups) == ["blocks/0/moe"]
     assert len(layout.groups["blocks/0/moe"].units) == 2
+    # ... but a group that ends like another is not merged into it when the extra prefix is
+    # another layer, not a container (`layers/1/moe` is its own MoE layer, not `moe`)
+    paths = [(("d", "params"), ("d", "moe"), ("d", "w")),
+             *[(("d", "params"), ("d", "layers"), ("s", i), ("d", "moe"), ("d", "w"))
+               for i in (1, 0)]]
+    layout = plan_layout(paths, [(8, 3)] * 3, parse_rules([(r"moe/w$", 0)]))
+    assert sorted(layout.groups) == ["layers/0/moe", "layers/1/moe", "moe"]
 
 
 def test_rule_errors_name_the_problem():
@@ -136,9 +143,10 @@ def test_sequential_round_robin_interleaved():
                                                (32, 4, 2, 8), (12, 2, 3, 6)])
 def test_striped_rotation_balances_scanned_layers_over_more_shards_than_k(n, k, layers,
                                                                            shards):
-    # K < P shards: no layer row is balanced, but the L rows of a save hold L*K/P slices of
-    # every shard (the flat cut's condition), and each row still sees every expert in N/K saves
-    assert selection.striped(n, k, layers, shards)
+    # K < P shards: no layer row is balanced, but L consecutive rows (a scanned leaf's layers,
+    # or L MoE layers bundled) hold L*K/P slices of every shard (the flat cut's condition), and
+    # each row still sees every expert in N/K saves
+    assert selection.striped(n, k, shards)
     per = n // shards
     for cursor in range(2 * n // k):
         rows = [selection.sequential(n, k, cursor, p, stripes=shards) for p in range(layers)]
@@ -153,7 +161,7 @@ def test_striped_rotation_balances_scanned_layers_over_more_shards_than_k(n, k, 
     # one expert per shard: the striped order is the plain one
     assert all(selection.sequential(8, 2, c, p, stripes=8) == selection.sequential(8, 2, c, p)
                for c in range(4) for p in range(4))
-    assert not selection.striped(16, 2, 3, 8)  # 6 slices over 8 shards: gathered
+    assert not selection.striped(16, 8, 8) and not selection.striped(12, 2, 8)
 
 
 def test_load_aware_top_k_ties_and_staleness():

@@ -85,6 +85,17 @@ def test_k_below_the_expert_shards_cuts_flat_per_process(results):
         assert 0.2 < part[f] / full[f] < 0.3, (f, part[f], full[f])
 
 
+def test_k_below_the_expert_shards_bundles_layers_per_process(results):
+    # layers/i/moe/w [8, 6], 4 MoE layers as separate leaves over 8 expert shards, K=2: one
+    # bundle `params/*/w` of the 4 layers' 8 held slices, one per shard, so each
+    # process writes its own 4 rows (a quarter of its 16 full-save expert rows)
+    assert results[0]["bundle_stored"] == ["params/*/w"]
+    full, part = results[0]["bundle_bytes"]["1"], results[0]["bundle_bytes"]["4"]
+    assert set(full) == set(part) == {"data.p0.bin", "data.p1.bin"}
+    for f in full:
+        assert 0.2 < part[f] / full[f] < 0.3, (f, part[f], full[f])
+
+
 def test_every_process_restores_the_oracle(results):
     assert results[0]["oracle"] == "ok" and results[1]["oracle"] == "ok"
 
@@ -110,7 +121,9 @@ def _worker(rank: int, port: str, out: str) -> None:
     shard = {"w": NamedSharding(mesh, P("expert", None, None)),
              "dense": NamedSharding(mesh, P()),
              "scan": NamedSharding(mesh8, P("ep", None, None))}
-    shapes = {"w": (8, 6, 4), "dense": (6, 6), "scan": (8, 4, 6)}
+    shapes = {"w": (8, 6, 4), "dense": (6, 6), "scan": (8, 4, 6),
+              **{f"layer{i}": (8, 6) for i in range(4)}}
+    shard.update({f"layer{i}": NamedSharding(mesh8, P("ep", None)) for i in range(4)})
 
     def values(step: int) -> dict[str, np.ndarray]:
         return {k: np.random.default_rng(10 * step + i).standard_normal(s).astype(np.float32)
@@ -121,7 +134,8 @@ def _worker(rank: int, port: str, out: str) -> None:
         arrays = {k: jax.make_array_from_callback(v[k].shape, shard[k],
                                                   lambda idx, a=v[k]: a[idx]) for k in v}
         return {"params": {"moe": {"w": arrays["w"]}, "dense": arrays["dense"],
-                           "scan": {"w": arrays["scan"]}}}
+                           "scan": {"w": arrays["scan"]},
+                           "layers": [{"moe": {"w": arrays[f"layer{i}"]}} for i in range(4)]}}
 
     exact = ol.LeafPolicy.create(defaults={r: ol.Exact() for r in ROLES})
     root = os.path.join(out, "ckpt")
@@ -140,7 +154,10 @@ def _worker(rank: int, port: str, out: str) -> None:
                          "dense": jax.ShapeDtypeStruct((6, 6), np.float32,
                                                        sharding=shard["dense"]),
                          "scan": {"w": jax.ShapeDtypeStruct((8, 4, 6), np.float32,
-                                                            sharding=shard["scan"])}}}
+                                                            sharding=shard["scan"])},
+                         "layers": [{"moe": {"w": jax.ShapeDtypeStruct(
+                             (8, 6), np.float32, sharding=shard[f"layer{i}"])}}
+                             for i in range(4)]}}
     mngr = ol.checkpoint_manager(root, partial_experts=ol.PartialExperts(k=2, rules=rules),
                                  policy=exact)
     tree = mngr.restore(4, args=ol.LossyRestore(target))
@@ -160,6 +177,12 @@ def _worker(rank: int, port: str, out: str) -> None:
             h = rep["expert_steps"]["scan"][layer][e]
             if not np.array_equal(np.asarray(s.data[0, layer]), values(h)["scan"][e, layer]):
                 verdict = f"scan expert {e} layer {layer} differs from step {h}"
+    for i in range(4):
+        for s in tree["params"]["layers"][i]["moe"]["w"].addressable_shards:
+            e = s.index[0].start or 0
+            h = rep["expert_steps"][f"layers/{i}/moe"][e]
+            if not np.array_equal(np.asarray(s.data[0]), values(h)[f"layer{i}"][e]):
+                verdict = f"layer {i} expert {e} differs from step {h}"
     d = tree["params"]["dense"]
     if not np.array_equal(np.asarray(d.addressable_shards[0].data), values(4)["dense"]):
         verdict = "dense differs"
@@ -176,7 +199,18 @@ def _worker(rank: int, port: str, out: str) -> None:
             for p in entry.pieces:
                 per[p.file] = per.get(p.file, 0) + p.length
             expert_bytes[f"{label}{s}"] = per
-    result = {"held": rep["held"],
+    bundle_bytes: dict = {}
+    for s, name in ((1, None), (4, "params/*/w")):
+        man = read_manifest(os.path.join(root, str(s), "default"))
+        per = {}
+        for entry in man.leaves:
+            if (entry.name == name if name else "layers/" in entry.name):
+                for p in entry.pieces:
+                    per[p.file] = per.get(p.file, 0) + p.length
+        bundle_bytes[str(s)] = per
+    result = {"held": rep["held"], "bundle_bytes": bundle_bytes,
+              "bundle_stored": sorted(e.name for e in read_manifest(item).leaves
+                                      if "*" in e.name),
               "scan_rows": [[lyr, e] for lyr, row in enumerate(rep["held"]["scan"])
                             for e in row], "depends_on": rep["depends_on"], "oracle": verdict,
               "expert_bytes": expert_bytes,

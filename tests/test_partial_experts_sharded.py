@@ -74,6 +74,21 @@ def test_fewer_held_experts_than_shards_with_scanned_layers_cut_flat(result):
     assert flat["closed_loop"] == "ok"
 
 
+def test_k_below_the_expert_shards_bundles_per_layer_leaves(result):
+    # 4 MoE layers as separate leaves blocks/i/moe/w [8, 6] on P("expert") over 8 shards, K=2:
+    # one layer's 2 held experts cannot be spread over 8 shards, but the 4 layers' 8 held
+    # slices can: the same leaf of the 4 layers is stored as one flat bundle `params/*/w`
+    # (and `opt_state/mu/*/w`), cut per shard without a collective
+    b = result["bundle"]
+    for held in b["held_rows"]:
+        assert sorted(e for row in held for e in row) == list(range(8))
+    assert b["stored"] == ["opt_state/mu/*/w", "params/*/w"]
+    assert b["slot_shape"] == [8, 6] and b["piece_rows"] == [1] * 8
+    assert b["take_collectives"] == [] and b["put_collectives"] == []
+    assert b["oracle"] == "ok" and b["untargeted"] == "ok"
+    assert b["closed_loop"] == "ok"
+
+
 def test_restore_oracle_on_the_saving_sharding(result):
     assert result["oracle"] == "ok"
 
@@ -222,6 +237,7 @@ def _main(out: str) -> None:
     mngr.close()
     res["closed_loop"] = verdict
     res["flat"] = _flat_case(out, mesh8, exact, lc, collectives)
+    res["bundle"] = _bundle_case(out, mesh8, exact, lc, collectives)
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(res, f)
 
@@ -257,17 +273,17 @@ def _flat_case(out, mesh8, exact, lc, collectives) -> dict:
     w0 = make(0)["params"]["moe"]["w"]
     held = np.array([[0, 1], [2, 3], [4, 5], [6, 7]])
     assert device_ops.local_plan(w0, held, 0, 1) is None
-    cut = device_ops.flat_plan(w0, held, 0, 1)
-    slot = device_ops.take(w0, held, 0, 1, cut)
+    cut = device_ops.flat_plan([w0], [held], 0, 1)
+    slot = device_ops.take_flat([w0], cut)
     res["slot_spec"] = list(slot.sharding.spec) + [None] * (2 - len(slot.sharding.spec))
     res["slot_shard_rows"] = [s.data.shape[0] for s in slot.addressable_shards]
     res["take_collectives"] = [c for c in collectives
-                               if c in device_ops.take_hlo(w0, held, 0, 1, cut)]
+                               if c in device_ops.flat_hlo("take", [w0], cut)]
     res["put_collectives"] = [c for c in collectives
-                              if c in device_ops.put_hlo(w0, slot, held, 0, 1, cut)]
+                              if c in device_ops.flat_hlo("put", [w0], cut, slot)]
     w0_np = np.asarray(w0)
-    assert np.array_equal(np.asarray(slot), np.stack([w0_np[e, lyr] for lyr, e in cut.rows]))
-    back = device_ops.put(jnp.zeros_like(w0), slot, held, 0, 1, cut)
+    assert np.array_equal(np.asarray(slot), np.stack([w0_np[e, lyr] for _, lyr, e in cut.rows]))
+    (back,) = device_ops.put_flat([jnp.zeros_like(w0)], slot, cut)
     expect = np.zeros_like(w0_np)
     expect[held.T, np.arange(4)[None, :]] = w0_np[held.T, np.arange(4)[None, :]]
     assert np.array_equal(np.asarray(back), expect) and back.sharding == w0.sharding
@@ -314,8 +330,9 @@ def _flat_case(out, mesh8, exact, lc, collectives) -> dict:
 
     unit = _Context(os.path.join(root, "4", "default"), 1, [0]).meta(4)["groups"]["moe"][
         "units"][0]
-    res["rows_recorded"] = (sorted(map(tuple, unit["rows"])) == sorted(
+    res["rows_recorded"] = (sorted((lyr, e) for lyr, e, _ in unit["rows"]) == sorted(
         (lyr, e) for lyr, row in enumerate(res["held_rows"][2]) for e in row)
+        and sorted(r for _, _, r in unit["rows"]) == list(range(8))
         and unit["shape"] == [8, 4, 6])
     same = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                         make(0))
@@ -339,6 +356,112 @@ def _flat_case(out, mesh8, exact, lc, collectives) -> dict:
         if not any(np.array_equal(np.asarray(full), got[n]) for n in got
                    if n.endswith("moe/w")):
             verdict = f"step {step}: the mosaic differs from the restore"
+    mngr.close()
+    res["closed_loop"] = verdict
+    return res
+
+
+def _bundle_case(out, mesh8, exact, lc, collectives) -> dict:
+    """K=2 of 8 experts over 8 expert shards, 4 MoE layers as separate leaves (a bundle)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import orbax_lossy as ol
+    from orbax_lossy.experts import device_ops
+    from orbax_lossy.experts.record import META_NAME, _find
+    from orbax_lossy.format.manifest import read_manifest
+    from orbax_lossy.treepaths import flatten, path_str
+
+    res: dict = {}
+    w_sh = NamedSharding(mesh8, P("expert", None))
+
+    def make(step: int) -> dict:
+        rng = np.random.default_rng(200 + step)
+
+        def part():
+            return {"blocks": [{"moe": {"w": jax.device_put(
+                jnp.asarray(rng.normal(size=(8, 6)), jnp.float32), w_sh)}} for _ in range(4)],
+                "head": jax.device_put(jnp.asarray(rng.normal(size=(6,)), jnp.float32),
+                                       NamedSharding(mesh8, P()))}
+
+        return {"params": part(), "opt_state": {"mu": part()}}
+
+    def flatten_np(tree):
+        paths, leaves, _ = flatten(tree)
+        return {path_str(p): np.asarray(v) for p, v in zip(paths, leaves, strict=True)}
+
+    ws = [make(0)["params"]["blocks"][i]["moe"]["w"] for i in range(4)]
+    helds = [np.array([[2 * i, 2 * i + 1]]) for i in range(4)]
+    cut = device_ops.flat_plan(ws, helds, 0, None)
+    slot = device_ops.take_flat(ws, cut)
+    res["take_collectives"] = [c for c in collectives
+                               if c in device_ops.flat_hlo("take", ws, cut)]
+    res["put_collectives"] = [c for c in collectives
+                              if c in device_ops.flat_hlo("put", ws, cut, slot)]
+    assert [s.data.shape[0] for s in slot.addressable_shards] == [1] * 8
+    rules = [(r"moe/w$", 0)]
+    root = os.path.join(out, "bundle_exact")
+    mngr = ol.checkpoint_manager(root, partial_experts=ol.PartialExperts(k=2, rules=rules),
+                                 policy=exact, max_to_keep=2)
+    states = {}
+    for step in range(1, 6):
+        st = make(step)
+        mngr.save(step, args=ol.LossySave(st))
+        mngr.wait_until_finished()
+        states[step] = flatten_np(st)
+    mngr.close()
+    reports = {s: ol.partial_experts_report(os.path.join(root, str(s), "default"))
+               for s in range(2, 6)}
+    groups = [f"blocks/{i}/moe" for i in range(4)]
+    res["held_rows"] = [[reports[s]["held"][g] for g in groups] for s in range(2, 6)]
+    manifest = read_manifest(os.path.join(root, "4", "default"))
+    res["stored"] = sorted(e.name for e in manifest.leaves
+                           if "w" in e.name and e.name != META_NAME and "/w" in e.name)
+    entry = _find(manifest, "params/*/w")
+    res["slot_shape"] = list(entry.shape)
+    res["piece_rows"] = [p.box[0][1] - p.box[0][0] for p in entry.pieces]
+    holder = reports[5]["expert_steps"]
+
+    def check(tree) -> str:
+        got = flatten_np(tree)
+        if set(got) != set(states[5]):
+            return f"leaves {sorted(set(got) ^ set(states[5]))}"
+        for name, value in got.items():
+            if name.endswith("moe/w"):
+                g = name[name.index("blocks/"):-len("/w")]
+                for e in range(8):
+                    h = holder[g][e]
+                    if not np.array_equal(value[e], states[h][name][e]):
+                        return f"{name}[{e}] != step {h}"
+            elif not np.array_equal(value, states[5][name]):
+                return f"{name} != step 5"
+        return "ok"
+
+    same = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        make(0))
+    m = ol.checkpoint_manager(root, partial_experts=ol.PartialExperts(k=2, rules=rules),
+                              policy=exact)
+    res["oracle"] = check(m.restore(5, args=ol.LossyRestore(same)))
+    res["untargeted"] = check(m.restore(5))
+    m.close()
+
+    root = os.path.join(out, "bundle_lc")
+    pec = ol.PartialExperts(k=2, rules=rules)
+    mngr = ol.checkpoint_manager(root, partial_experts=pec, policy=lc, max_to_keep=2)
+    verdict = "ok"
+    for step in range(1, 6):
+        mngr.save(step, args=ol.LossySave(make(step)))
+        mngr.wait_until_finished()
+        m = ol.checkpoint_manager(root, partial_experts=ol.PartialExperts(k=2, rules=rules),
+                                  policy=lc)
+        got = flatten_np(m.restore(step, args=ol.LossyRestore(same)))
+        for key, full in pec.mosaic().items():
+            if not any(np.array_equal(np.asarray(full), got[n]) for n in got
+                       if n.endswith("moe/w")):
+                verdict = f"step {step}: mosaic {key} differs from the restore"
     mngr.close()
     res["closed_loop"] = verdict
     return res

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -172,18 +172,25 @@ def _same_leaf(a: LeafEntry, b: LeafEntry) -> bool:
 
 
 def _link_leaves(
-    chain: list[tuple[str, Manifest]], selected: Sequence[LeafEntry]
+    chain: list[tuple[str, Manifest]], selected: Sequence[LeafEntry],
+    loose: Collection[str] = (),
 ) -> list[list[LeafEntry]]:
     """Per link, the entries of the selected leaves (matched by path, checked alike).
 
     Every link of a chain stores the same leaf paths (a save whose tree changed is a base),
-    so a leaf added to or removed from one link is refused here.
+    so a leaf added to or removed from one link is refused here; leaves named in ``loose``
+    (partial experts' slots, which a save may store under another name) are left out of that
+    comparison (never out of the selected leaves' checks).
     """
     out = []
     final_dir, final = chain[-1]
+
+    def kept(manifest: Manifest) -> set[Any]:
+        return {p for p in manifest.index if path_str(p) not in loose}
+
     for link_dir, manifest in chain:
-        if manifest is not final and manifest.index.keys() != final.index.keys():
-            extra = sorted(path_str(p) for p in manifest.index.keys() ^ final.index.keys())
+        if manifest is not final and kept(manifest) != kept(final):
+            extra = sorted(path_str(p) for p in kept(manifest) ^ kept(final))
             raise ChainError(f"{link_dir} (step {manifest.header.step}) and {final_dir} "
                              f"(step {final.header.step}) store different leaves "
                              f"({', '.join(extra[:5])}); the chain is inconsistent")
@@ -369,9 +376,10 @@ def _decode_link(
 
 
 def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
-                 partial: bool = True) -> RestoredItem:
+                 partial: bool = True, loose: Collection[str] = ()) -> RestoredItem:
     """Restore one item directory onto ``target`` (a tree, or None for nested dicts); with
-    ``partial=False`` the target must take (or skip) every stored leaf."""
+    ``partial=False`` the target must take (or skip) every stored leaf. ``loose``: leaf names
+    the links of the chain may store or not (see :func:`_link_leaves`)."""
     item_dir = abspath(item_dir)
     with stored_data(item_dir):
         chain = walk_chain(item_dir)
@@ -385,7 +393,7 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
         (t for i, t in zip(matched, all_targets, strict=True) if i is not None), chosen,
         strict=True)]
     _check_budget(item_dir, final, chosen, targets)
-    per_link = _link_leaves(chain, chosen)
+    per_link = _link_leaves(chain, chosen, frozenset(loose))
     starts = _first_needed_links(per_link, len(chosen))
     values: list[Any] = [None] * len(chosen)
     bytes_read = 0

@@ -12,14 +12,16 @@ Two programs, chosen per leaf and save:
   (``K / P`` rows per shard) and is cut inside :func:`jax.shard_map` from each shard's own
   rows: no collective, each device (so each process) holds, encodes and writes exactly the
   held experts it owns.
-* **Flat** (:func:`flat_plan` is not None; typically K < P with scanned layers): the held
-  (layer, expert) slices of the whole leaf are spread evenly over the ``P`` expert shards
-  (``m = L K / P`` per shard; the striped rotation of :mod:`orbax_lossy.experts.selection`
-  makes it so when ``P`` divides ``L K``), but no single layer row is. The slot is then a flat
-  stack ``[P m, ...rest]`` of canonical slices (``rest``: the leaf's other axes, in order),
-  row ``r`` holding ``x[.., rows[r].expert @ a, .., rows[r].layer @ b, ..]``, shard-major and
-  sharded like the leaf (expert mesh axes on the rows): again no collective, each shard cuts
-  its own ``m`` slices. The row order is recorded in the PEC record.
+* **Flat** (:func:`flat_plan` is not None; K < P): no single layer row is balanced over the
+  ``P`` expert shards, but the held (layer, expert) slices of a scanned leaf, or of a
+  *bundle* of the same leaf in several MoE layers (``params/blocks/0/moe/w_in``,
+  ``params/blocks/1/moe/w_in``, ...: same shape and sharding), are (``m`` per shard; the
+  striped rotation of :mod:`orbax_lossy.experts.selection` makes it so when ``P`` divides the
+  number of held slices). The slot is then a flat stack ``[P m, ...rest]`` of canonical
+  slices (``rest``: the leaf's other axes, in order), row ``r`` holding member
+  ``rows[r, 0]``'s ``[.., rows[r, 2] @ a, .., rows[r, 1] @ b, ..]``, shard-major and sharded
+  like the members (expert mesh axes on the rows): again no collective, each shard cuts its
+  own ``m`` slices. The rows are recorded in the PEC record.
 * **Gathered** (otherwise: K < P without enough layers to balance, an unbalanced load-aware
   choice, an unsharded or single-device leaf): the slot keeps the leaf's sharding except along
   the expert axis, which is replicated; with a sharded expert axis XLA moves the held rows
@@ -31,6 +33,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -103,11 +107,13 @@ def slot_sharding(x: jax.Array, axis: int, local: bool = False):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class FlatCut:
-    """A flat slot's layout (see the module docstring).
+    """A flat slot's layout over ``B`` member leaves of one shape and sharding (see the module
+    docstring; ``B = 1``: one leaf's own flat slot, ``B > 1``: a *bundle* of the same leaf of
+    several MoE layers).
 
-    ``rows``: int ``[R, 2]``, the (layer, expert) slice of slot row ``r``; ``local``: int
-    ``[P, m, 2]``, per expert shard the (local expert, layer) of its ``m`` rows; ``source``:
-    the leaf sharding the plan was made for; ``sharding``: the slot's.
+    ``rows``: int ``[R, 3]``, the (member, layer, expert) slice of slot row ``r``; ``local``:
+    int ``[P, m, 3]``, per expert shard the (member, local expert, layer) of its ``m`` rows;
+    ``source``: the members' sharding; ``sharding``: the slot's.
     """
 
     rows: np.ndarray
@@ -118,32 +124,38 @@ class FlatCut:
     layer: int | None
 
 
-def flat_plan(x, held: np.ndarray, axis: int, layer: int | None) -> FlatCut | None:
-    """A flat cut of ``x`` when every expert shard owns the same number of held slices over
-    all layer rows (and the layer axis, if any, is not sharded), else None."""
+def flat_plan(xs: Sequence[Any], helds: Sequence[np.ndarray], axis: int,
+              layer: int | None) -> FlatCut | None:
+    """A flat cut of the members ``xs`` (held experts ``helds[b]``: int [layers, K]) when
+    every expert shard owns the same number of their held slices, all members have one shape,
+    dtype and :class:`NamedSharding` and the layer axis (if any) is not sharded; else None."""
+    x = xs[0]
     parts = expert_shards(x, axis)
-    if parts <= 1:
+    if parts <= 1 or any(getattr(y, "sharding", None) != x.sharding or y.shape != x.shape
+                         or y.dtype != x.dtype for y in xs):
         return None
     sharding = x.sharding
     spec = _spec(sharding, x.ndim)
     n = int(x.shape[axis])
-    held = np.asarray(held, np.int64)
-    if n % parts or (layer is not None and (spec[layer] is not None
-                                            or held.shape[0] != x.shape[layer])):
+    if n % parts or (layer is not None and spec[layer] is not None):
         return None
     per = n // parts
-    owned: list[list[tuple[int, int]]] = [[] for _ in range(parts)]
-    for row, h in enumerate(held):
-        if len(set(h.tolist())) != len(h):
+    owned: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]
+    for b, held in enumerate(helds):
+        held = np.asarray(held, np.int64)
+        if held.shape[0] != (1 if layer is None else x.shape[layer]):
             return None
-        for e in h:
-            owned[int(e) // per].append((row, int(e)))
+        for row, h in enumerate(held):
+            if len(set(h.tolist())) != len(h):
+                return None
+            for e in h:
+                owned[int(e) // per].append((b, row, int(e)))
     m = len(owned[0])
     if m == 0 or any(len(o) != m for o in owned):
         return None
     owned = [sorted(o) for o in owned]
-    rows = np.asarray([pair for o in owned for pair in o], np.int64)
-    local = np.asarray([[(e % per, row) for row, e in o] for o in owned], np.int32)
+    rows = np.asarray([t for o in owned for t in o], np.int64)
+    local = np.asarray([[(b, e % per, row) for b, row, e in o] for o in owned], np.int32)
     rest = [spec[d] for d in range(x.ndim) if d != axis and d != layer]
     slot = NamedSharding(sharding.mesh, P(spec[axis], *rest))
     return FlatCut(rows, local, sharding, slot, axis, layer)
@@ -197,35 +209,70 @@ def _local_program(kind: str, mesh, spec, idx_spec, axis: int, layer: int | None
 
 
 @functools.lru_cache(maxsize=256)
-def _flat_program(kind: str, mesh, spec, slot_spec, idx_spec, axis: int, layer: int | None):
-    """Flat ``take``/``put`` per shard: its ``m`` (local expert, layer) slices."""
+def _flat_program(kind: str, members: int, mesh, spec, slot_spec, idx_spec, axis: int,
+                  layer: int | None):
+    """Flat ``take``/``put`` per shard over ``members`` leaves: its ``m`` (member, local
+    expert, layer) slices."""
     if kind == "take":
-        def take_body(x, idx):
-            c = _canon(x, axis, layer)
-            return c[idx[0, :, 0], idx[0, :, 1]]
+        def take_body(*args):
+            *xs, idx = args
+            b, e, lyr = idx[0, :, 0], idx[0, :, 1], idx[0, :, 2]
+            out = None
+            for j, x in enumerate(xs):
+                got = _canon(x, axis, layer)[e, lyr]
+                mine = (b == j).reshape((-1,) + (1,) * (got.ndim - 1))
+                out = got if out is None else jnp.where(mine, got, out)
+            return out
 
-        return jax.jit(jax.shard_map(take_body, mesh=mesh, in_specs=(spec, idx_spec),
+        return jax.jit(jax.shard_map(take_body, mesh=mesh,
+                                     in_specs=(spec,) * members + (idx_spec,),
                                      out_specs=slot_spec))
 
-    def put_body(x, slot, idx):
-        c = _canon(x, axis, layer)
-        return _uncanon(c.at[idx[0, :, 0], idx[0, :, 1]].set(slot), axis, layer)
+    def put_body(*args):
+        *xs, slot, idx = args
+        b, e, lyr = idx[0, :, 0], idx[0, :, 1], idx[0, :, 2]
+        out = []
+        for j, x in enumerate(xs):
+            c = _canon(x, axis, layer)
+            rows = jnp.where(b == j, e, c.shape[0])  # other members' rows: out of bounds
+            out.append(_uncanon(c.at[rows, lyr].set(slot, mode="drop"), axis, layer))
+        return tuple(out)
 
-    return jax.jit(jax.shard_map(put_body, mesh=mesh, in_specs=(spec, slot_spec, idx_spec),
-                                 out_specs=spec))
+    return jax.jit(jax.shard_map(put_body, mesh=mesh,
+                                 in_specs=(spec,) * members + (slot_spec, idx_spec),
+                                 out_specs=(spec,) * members))
 
 
-def _flat_call(kind: str, x, cut: FlatCut):
-    if x.sharding != cut.source:
-        x = jax.device_put(x, cut.source)
-    spec = cut.source.spec
-    expert_entry = _spec(cut.source, x.ndim)[cut.axis]
+def _flat_call(kind: str, xs: Sequence[Any], cut: FlatCut):
+    xs = [x if x.sharding == cut.source else jax.device_put(x, cut.source) for x in xs]
+    expert_entry = _spec(cut.source, xs[0].ndim)[cut.axis]
     idx_spec = P(expert_entry, None, None)
     idx = jax.make_array_from_callback(cut.local.shape, NamedSharding(cut.source.mesh, idx_spec),
                                        lambda i: cut.local[i])
-    fn = _flat_program(kind, cut.source.mesh, spec, cut.sharding.spec, idx_spec, cut.axis,
-                       cut.layer)
-    return fn, x, idx
+    fn = _flat_program(kind, len(xs), cut.source.mesh, cut.source.spec, cut.sharding.spec,
+                       idx_spec, cut.axis, cut.layer)
+    return fn, xs, idx
+
+
+def take_flat(xs: Sequence[Any], cut: FlatCut) -> jax.Array:
+    """The flat slot of ``cut`` cut from its members ``xs`` (no collective)."""
+    fn, xs, idx = _flat_call("take", xs, cut)
+    return fn(*xs, idx)
+
+
+def put_flat(xs: Sequence[Any], slot: jax.Array, cut: FlatCut) -> list[jax.Array]:
+    """The members ``xs`` with their held slices replaced by the flat ``slot``'s rows."""
+    fn, xs, idx = _flat_call("put", xs, cut)
+    if slot.sharding != cut.sharding:
+        slot = jax.device_put(slot, cut.sharding)
+    return list(fn(*xs, slot, idx))
+
+
+def flat_hlo(kind: str, xs: Sequence[Any], cut: FlatCut, slot: Any = None) -> str:
+    """The compiled HLO text of :func:`take_flat` (``"take"``) or :func:`put_flat`."""
+    fn, xs, idx = _flat_call(kind, xs, cut)
+    args = (*xs, idx) if kind == "take" else (*xs, slot, idx)
+    return fn.lower(*args).compile().as_text()
 
 
 def _replicated_like(sharding, value):
@@ -245,10 +292,7 @@ def _local_index(x, plan: np.ndarray, axis: int, layer: int | None):
     return idx, idx_spec
 
 
-def _take_call(x, held, axis, layer, flat=None):
-    if flat is not None:
-        fn, x, idx = _flat_call("take", x, flat)
-        return fn, (x, idx), {}
+def _take_call(x, held, axis, layer):
     plan = local_plan(x, held, axis, layer)
     if plan is not None:
         idx, idx_spec = _local_index(x, plan, axis, layer)
@@ -259,27 +303,19 @@ def _take_call(x, held, axis, layer, flat=None):
     return _program(_take, out), (x, idx), {"axis": axis, "layer": layer}
 
 
-def take(x: jax.Array, held: np.ndarray, axis: int, layer: int | None,
-         flat: FlatCut | None = None) -> jax.Array:
-    """The held experts of ``x`` (``held``: int [layers, K], rows sorted); with ``flat``, the
-    flat slot of that cut."""
-    fn, args, kw = _take_call(x, held, axis, layer, flat)
+def take(x: jax.Array, held: np.ndarray, axis: int, layer: int | None) -> jax.Array:
+    """The held experts of ``x`` (``held``: int [layers, K], rows sorted)."""
+    fn, args, kw = _take_call(x, held, axis, layer)
     return fn(*args, **kw)
 
 
-def take_hlo(x: jax.Array, held: np.ndarray, axis: int, layer: int | None,
-             flat: FlatCut | None = None) -> str:
+def take_hlo(x: jax.Array, held: np.ndarray, axis: int, layer: int | None) -> str:
     """The compiled HLO text of the program :func:`take` runs (tests look for collectives)."""
-    fn, args, kw = _take_call(x, held, axis, layer, flat)
+    fn, args, kw = _take_call(x, held, axis, layer)
     return fn.lower(*args, **kw).compile().as_text()
 
 
-def _put_call(x, slot, held, axis, layer, flat=None):
-    if flat is not None:
-        fn, x, idx = _flat_call("put", x, flat)
-        if slot.sharding != flat.sharding:
-            slot = jax.device_put(slot, flat.sharding)
-        return fn, (x, slot, idx), {}
+def _put_call(x, slot, held, axis, layer):
     plan = local_plan(x, held, axis, layer)
     if plan is not None:
         if slot.sharding != x.sharding:
@@ -298,17 +334,16 @@ def _put_call(x, slot, held, axis, layer, flat=None):
 
 
 def put(x: jax.Array, slot: jax.Array, held: np.ndarray, axis: int,
-        layer: int | None, flat: FlatCut | None = None) -> jax.Array:
-    """``x`` with its held experts replaced by ``slot`` (same sharding as ``x``; with ``flat``,
-    the leaf sharding the cut was planned for)."""
-    fn, args, kw = _put_call(x, slot, held, axis, layer, flat)
+        layer: int | None) -> jax.Array:
+    """``x`` with its held experts replaced by ``slot`` (same sharding as ``x``)."""
+    fn, args, kw = _put_call(x, slot, held, axis, layer)
     return fn(*args, **kw)
 
 
 def put_hlo(x: jax.Array, slot: jax.Array, held: np.ndarray, axis: int,
-            layer: int | None, flat: FlatCut | None = None) -> str:
+            layer: int | None) -> str:
     """The compiled HLO text of the program :func:`put` runs."""
-    fn, args, kw = _put_call(x, slot, held, axis, layer, flat)
+    fn, args, kw = _put_call(x, slot, held, axis, layer)
     return fn.lower(*args, **kw).compile().as_text()
 
 

@@ -63,7 +63,9 @@ class PreparedSave:
     shardings: dict[str, Any]  # slot leaf name -> the full expert leaf's sharding (or None)
     state: _ItemState | None  # None: K = N, a normal save
     meta: dict[str, Any]
-    cuts: dict[str, ops.FlatCut] = dataclasses.field(default_factory=dict)  # flat slots
+    # flat slot leaf name -> (its cut, the unit keys of its members)
+    cuts: dict[str, tuple[ops.FlatCut, tuple[str, ...]]] = dataclasses.field(
+        default_factory=dict)
 
     def reference(self, held: Any, paths: Sequence[StoredPath], signature: Sequence[Any]) -> Any:
         """The handler's reference with the slots' values replaced by per-expert references.
@@ -98,7 +100,7 @@ class PreparedSave:
             name = path_str(p)
             slot = self.slots.get(name)
             if name in self.cuts:
-                out[i] = (0,)  # a flat slot: one (layer, expert) slice per row
+                out[i] = (0,)  # a flat slot: one (member, layer, expert) slice per row
             elif slot is not None:
                 _, axis, layer = slot
                 out[i] = (axis,) if layer is None else (axis, layer)
@@ -279,7 +281,8 @@ class PartialExperts(_RestoreSide):
         dropped: set[int] = set()
         extra_leaves: list[tuple[int, StoredPath, Any]] = []
         full_shardings: dict[str, Any] = {}
-        cuts: dict[str, ops.FlatCut] = {}
+        cuts: dict[str, tuple[ops.FlatCut, tuple[str, ...]]] = {}
+        flat_candidates: list[_FlatMember] = []
         units_meta: dict[str, list[dict[str, Any]]] = {}
         for g in layout.groups.values():
             h = held[g.name]
@@ -291,20 +294,21 @@ class PartialExperts(_RestoreSide):
                     if not isinstance(x, jax.Array):
                         x = jnp.asarray(x)
                     name = prefix + path_str(paths[unit.leaf])
-                    axis, layer = unit.expert_axis, unit.layer_axis
-                    cut = (None if ops.local_plan(x, h, axis, layer) is not None
-                           else ops.flat_plan(x, h, axis, layer))
-                    replaced[unit.leaf] = ops.take(x, h, axis, layer, cut)
-                    slots[name] = (key, axis, layer)
+                    e_axis, l_axis = unit.expert_axis, unit.layer_axis
+                    described = {**unit.describe(paths), "path": name}
+                    units_meta[g.name].append(described)
                     full_shardings[name] = getattr(x, "sharding", None)
+                    if ops.local_plan(x, h, e_axis, l_axis) is None and ops.expert_shards(
+                            x, e_axis) > 1:  # K < P: a flat cut, alone or in a bundle
+                        flat_candidates.append(_FlatMember(
+                            key, unit.leaf, x, h, name, e_axis, l_axis, described,
+                            _bundle_path(paths[unit.leaf], g.name)))
+                        continue
+                    replaced[unit.leaf] = ops.take(x, h, e_axis, l_axis)
+                    slots[name] = (key, e_axis, l_axis)
                     mosaic = st.mosaic.get(key)
                     ref_values[name] = None if mosaic is None else ops.take(
-                        mosaic, h, axis, layer, cut)
-                    described = {**unit.describe(paths), "path": name}
-                    if cut is not None:
-                        cuts[name] = cut
-                        described.update(rows=cut.rows.tolist(), shape=list(x.shape))
-                    units_meta[g.name].append(described)
+                        mosaic, h, e_axis, l_axis)
                 else:  # one subtree per expert: the held experts' leaves, stacked
                     name = prefix + path_str(unit.slot_path)
                     first = min(unit.members.values())
@@ -319,6 +323,33 @@ class PartialExperts(_RestoreSide):
                         "expert_axis": 0, "layer_axis": None,
                         "paths": {str(e): prefix + path_str(paths[leaf])
                                   for e, leaf in unit.members.items()}})
+        for members, cut, path in _flat_cuts(flat_candidates):
+            name = members[0].name if path is None else prefix + path_str(path)
+            value = ops.take_flat([m.x for m in members], cut) if cut is not None else None
+            if cut is None:  # no balanced cut: gathered, as any unbalanced selection
+                (m,) = members
+                replaced[m.leaf] = ops.take(m.x, m.held, m.axis, m.layer)
+                slots[m.name] = (m.key, m.axis, m.layer)
+                mosaic = st.mosaic.get(m.key)
+                ref_values[m.name] = None if mosaic is None else ops.take(
+                    mosaic, m.held, m.axis, m.layer)
+                continue
+            if len(members) == 1:
+                replaced[members[0].leaf] = value
+            else:
+                dropped.update(m.leaf for m in members)
+                extra_leaves.append((min(m.leaf for m in members), path, value))
+            cuts[name] = (cut, tuple(m.key for m in members))
+            mosaics = [st.mosaic.get(m.key) for m in members]
+            ref_values[name] = (None if any(v is None for v in mosaics)
+                                else ops.take_flat(mosaics, cut))
+            for b, m in enumerate(members):
+                if len(members) > 1:  # the member's own path is not in the manifest
+                    m.described["leaf_path"] = [list(c) for c in paths[m.leaf]]
+                m.described.update(
+                    stored=name, shape=list(m.x.shape),
+                    rows=[[int(lyr), int(e), r] for r, (mb, lyr, e) in enumerate(cut.rows.tolist())
+                          if mb == b])
         at = {first: (p, x) for first, p, x in extra_leaves}
         for i, (p, x) in enumerate(zip(paths, leaves, strict=True)):
             if i in at:
@@ -369,22 +400,34 @@ class PartialExperts(_RestoreSide):
         for name, (key, axis, layer) in prepared.slots.items():
             recon = values.get(name)
             slot = tree_leaves[name]
-            st.pending.append((key, axis, layer, slot if recon is None else recon, slot,
-                               prepared.held[key.rsplit("#", 1)[0]], prepared.full,
-                               prepared.shardings.get(name), prepared.cuts.get(name)))
+            st.pending.append(("unit", key, axis, layer, slot if recon is None else recon,
+                               slot, prepared.held[key.rsplit("#", 1)[0]], prepared.full,
+                               prepared.shardings.get(name)))
+        for name, (cut, keys) in prepared.cuts.items():
+            recon = values.get(name)
+            slot = tree_leaves[name]
+            st.pending.append(("flat", keys, cut, slot if recon is None else recon, slot))
         with self._lock:
             self._items[prepared.item] = st
 
     @staticmethod
     def _materialize(st: _ItemState) -> None:
         """Fold published reconstructions into the mosaic (training thread)."""
-        for key, axis, layer, recon, slot, held, full, sharding, cut in st.pending:
+        for kind, *entry in st.pending:
+            if kind == "flat":
+                keys, cut, recon, slot = entry
+                if isinstance(recon, np.ndarray):
+                    recon = jax.device_put(recon, slot.sharding)
+                members = ops.put_flat([st.mosaic[k] for k in keys], recon, cut)
+                st.mosaic.update(zip(keys, members, strict=True))
+                continue
+            key, axis, layer, recon, slot, held, full, sharding = entry
             if isinstance(recon, np.ndarray):
                 recon = jax.device_put(recon, slot.sharding)
             if full:
                 st.mosaic[key] = recon if sharding is None else jax.device_put(recon, sharding)
             else:
-                st.mosaic[key] = ops.put(st.mosaic[key], recon, held, axis, layer, cut)
+                st.mosaic[key] = ops.put(st.mosaic[key], recon, held, axis, layer)
         st.pending = []
 
     def mosaic(self, item: str = "default") -> dict[str, Any]:
@@ -417,12 +460,62 @@ def _group_shards(g: Any, leaves: Sequence[Any], k: int) -> int:
 
 def _group_stripes(g: Any, leaves: Sequence[Any], k: int) -> int:
     """Expert shards to stripe the sequential rotation over (1: none) when no row can be
-    balanced: the largest stacked leaf's expert-axis split ``P > K`` dividing N and
-    ``layers * K`` (see :mod:`orbax_lossy.experts.selection`)."""
+    balanced: the largest stacked leaf's expert-axis split ``P > K`` dividing N (see
+    :mod:`orbax_lossy.experts.selection`)."""
     splits = {ops.expert_shards(leaves[u.leaf], u.expert_axis) for u in g.units
               if u.kind == "stacked"}
-    fits = [p for p in splits if selection.striped(g.n, k, g.layers, p)]
+    fits = [p for p in splits if selection.striped(g.n, k, p)]
     return max(fits, default=1)
+
+
+@dataclasses.dataclass
+class _FlatMember:
+    """A stacked expert leaf whose held slices no row-wise cut keeps shard-local."""
+
+    key: str  # unit key
+    leaf: int  # index in the saved tree
+    x: Any
+    held: np.ndarray
+    name: str  # stored name (with the state prefix)
+    axis: int
+    layer: int | None
+    described: dict[str, Any]  # its unit record (rows and stored name are added)
+    bundle: StoredPath | None  # its path with the group's part replaced by ``*``
+
+
+def _bundle_path(path: StoredPath, group: str) -> StoredPath | None:
+    """``path`` with the components spelling ``group`` replaced by one ``*`` key (None when
+    they are not consecutive components under a dict)."""
+    parts = group.split("/")
+    keys = [str(k) for _, k in path]
+    for i in range(len(keys) - len(parts)):
+        if keys[i:i + len(parts)] == parts:
+            if path[i][0] not in ("d", "a"):  # under a sequence: no ``*`` key beside indices
+                return None
+            return (*path[:i], ("d", "*"), *path[i + len(parts):])
+    return None
+
+
+def _flat_cuts(members: Sequence[_FlatMember]):
+    """Flat cuts of the K < P leaves: the same leaf of several MoE layers (same bundle path,
+    shape, dtype, sharding and axes) as one bundle when that balances the held slices over the
+    expert shards, else each leaf alone (its own flat cut, or None: gathered). Yields
+    ``(members, cut or None, bundle path or None: the member's own)``."""
+    bundles: dict[Any, list[_FlatMember]] = {}
+    for m in members:
+        key = (None, m.key) if m.bundle is None else (
+            m.bundle, m.x.shape, m.x.dtype, m.x.sharding, m.axis, m.layer)
+        bundles.setdefault(key, []).append(m)
+    for group in bundles.values():
+        if len(group) > 1:
+            cut = ops.flat_plan([m.x for m in group], [m.held for m in group], group[0].axis,
+                                group[0].layer)
+            if cut is not None:
+                yield group, cut, group[0].bundle
+                continue
+        for m in group:
+            cut = ops.flat_plan([m.x], [m.held], m.axis, m.layer)
+            yield [m], cut, None
 
 
 def _jsonable(x: Any) -> Any:

@@ -91,7 +91,10 @@ class _RestoreSide:
         # (the record varies in size from save to save: read it alone, never through a chain)
         sub = _assemble([orig_paths[i] for i in plain], [targets[i] for i in plain], None,
                         wrapped)
-        restored = restoring.restore_item(item_dir, sub, handler.encode_threads)
+        slot_names = {n for rec in groups.values() for u in rec["units"]
+                      for n in (u.get("path"), u.get("stored")) if n}
+        restored = restoring.restore_item(item_dir, sub, handler.encode_threads,
+                                          loose=slot_names)
         got = {path_str(p): v for p, v in zip(*flatten(restored.tree)[:2], strict=True)}
         out: list[Any] = [None] * len(orig_paths)
         for i in plain:
@@ -145,7 +148,8 @@ class _RestoreSide:
                 else jax.tree_util.tree_unflatten(treedef, out))
         handler.last_restore_bytes_read = restored.bytes_read + reader_bytes[0]
         # 4. Adopt: the handler's reference (for the next delta) and PEC's state.
-        stored_expert = set()
+        stored_expert = {u["stored"] for rec in groups.values() for u in rec["units"]
+                         if "stored" in u}  # flat slots and bundles
         for g in layout.groups.values():
             for unit in g.units:
                 if unit.kind == "stacked":
@@ -223,13 +227,22 @@ def _paths_without_target(manifest: Manifest, meta: dict[str, Any]):
     """Original paths and default targets when restoring without a target tree."""
     wrapped = bool(meta.get("wrapped"))
     slots: dict[str, dict[str, Any]] = {}
+    bundles: dict[str, list[dict[str, Any]]] = {}  # stored name -> member units
     for rec in meta["groups"].values():
         for unit in rec["units"]:
             slots[unit["path"]] = {**unit, "n": rec["n"]}
+            if "leaf_path" in unit:
+                bundles.setdefault(unit["stored"], []).append(slots[unit["path"]])
     paths: list[StoredPath] = []
     targets: list[Any] = []
     for leaf in manifest.leaves:
         if leaf.name == META_NAME:
+            continue
+        for unit in bundles.get(leaf.name, ()):  # the same leaf of several MoE layers
+            path = tuple((k, key) for k, key in unit["leaf_path"])
+            paths.append(path)
+            targets.append(jax.ShapeDtypeStruct(tuple(unit["shape"]), leaf.dtype))
+        if leaf.name in bundles:
             continue
         unit = slots.get(leaf.name)
         if unit is None:
@@ -248,13 +261,18 @@ def _paths_without_target(manifest: Manifest, meta: dict[str, Any]):
     return paths, targets, None
 
 
+def _unit(rec: dict[str, Any], name: str) -> dict[str, Any]:
+    """The unit record of slot leaf ``name`` in a group record."""
+    return next(u for u in rec["units"] if u.get("path") == name)
+
+
 def _flat_rows(unit: dict[str, Any], held: list[list[int]]) -> dict[tuple[int, int], int] | None:
-    """For a flat slot (``unit["rows"]``: the (layer, expert) of each row), the row of every
-    held position ``(layer, j)``; None for a ``[K @ axis, L @ layer]`` slot."""
+    """For a flat slot member (``unit["rows"]``: ``[layer, expert, row]`` of each held slice),
+    the slot row of every held position ``(layer, j)``; None for a ``[K @ axis]`` slot."""
     rows = unit.get("rows")
     if rows is None:
         return None
-    where = {(int(lyr), int(e)): r for r, (lyr, e) in enumerate(rows)}
+    where = {(int(lyr), int(e)): int(r) for lyr, e, r in rows}
     return {(lyr, j): where[lyr, int(e)] for lyr, h in enumerate(held) for j, e in enumerate(h)}
 
 
@@ -293,7 +311,7 @@ class _Context:
         self._manifests: dict[int | None, Manifest] = {}
         self._metas: dict[int | None, dict[str, Any]] = {}
         self._slots: dict[tuple[int | None, str], jax.Array] = {}
-        self._need: dict[tuple[int, str], set[tuple[int, int]]] = {}
+        self._need: dict[tuple[int, str], set[tuple[str, str, int, int]]] = {}
         self.step_bytes: dict[int, int] = {}  # bytes read per step (records and slots)
 
     def dir_of(self, step: int | None, group: str, expert: int) -> str:
@@ -364,11 +382,12 @@ class _Context:
         the copies a delta-coded slot row is decoded against (back to an exact copy)."""
         while True:
             rec, j = self._row(group, name, layer, e, step)
-            rows = self._need.setdefault((step, name), set())
-            if (layer, j) in rows:
+            stored = _unit(rec, name).get("stored", name)
+            rows = self._need.setdefault((step, stored), set())
+            if (group, name, layer, j) in rows:
                 return
-            rows.add((layer, j))
-            if not self._entry(step, name, group, e).codec.needs_reference:
+            rows.add((group, name, layer, j))
+            if not self._entry(step, stored, group, e).codec.needs_reference:
                 return
             ref_step = int(rec["ref_step"][layer][j])
             if ref_step < 0:
@@ -409,49 +428,54 @@ class _Context:
         return out
 
     def slot(self, group: str, name: str, step: int, expert: int) -> jax.Array:
-        """The decoded slot leaf ``name`` of ``step`` (its layout: ``[.., K @ axis, ..]``).
+        """The decoded slot leaf holding ``name``'s experts at ``step``: ``[.., K @ axis, ..]``,
+        or a flat ``[R, ...]`` slot (one leaf's or a bundle's, ``unit["stored"]``).
 
         Only the rows planned with :meth:`need` are read and valid (all rows when none was
         planned); slot rows are whole pieces (:func:`orbax_lossy.format.grid.split_units`).
         """
-        key = (step, name)
+        meta = self.meta(step, group=group, expert=expert)
+        unit = _unit(meta["groups"][group], name)
+        stored = unit.get("stored", name)
+        key = (step, stored)
         if key not in self._slots:
-            meta = self.meta(step, group=group, expert=expert)
-            rec = meta["groups"][group]
-            unit = next(u for u in rec["units"] if u.get("path") == name)
-            axis, layer = unit["expert_axis"], unit["layer_axis"]
-            held = rec["held"]
-            flat = _flat_rows(unit, held)  # (layer, j) -> slot row, for a flat slot
-            every = {(lyr, j) for lyr in range(len(held)) for j in range(len(held[0]))}
-            rows = sorted(self._need.get(key) or every)
-            shape = self._entry(step, name, group, expert).shape
-            regions = None
-            if set(rows) != every:
-                regions = []
-                for lyr, j in rows:
-                    box = [(0, n) for n in shape]
-                    if flat is not None:
-                        box[0] = (flat[lyr, j], flat[lyr, j] + 1)
-                    else:
-                        box[axis] = (j, j + 1)
-                        if layer is not None:
-                            box[layer] = (lyr, lyr + 1)
-                    regions.append(tuple(box))
+            shape = self._entry(step, stored, group, expert).shape
+            # every position the slot holds: (group, leaf name, layer, j) -> its box
+            boxes: dict[tuple[str, str, int, int], tuple[tuple[int, int], ...]] = {}
+            for g, rec in meta["groups"].items():
+                for u in rec["units"]:
+                    if u.get("stored", u.get("path")) != stored:
+                        continue
+                    flat = _flat_rows(u, rec["held"])
+                    for lyr, row in enumerate(rec["held"]):
+                        for j in range(len(row)):
+                            box = [(0, n) for n in shape]
+                            if flat is not None:
+                                box[0] = (flat[lyr, j], flat[lyr, j] + 1)
+                            else:
+                                box[unit["expert_axis"]] = (j, j + 1)
+                                if unit["layer_axis"] is not None:
+                                    box[unit["layer_axis"]] = (lyr, lyr + 1)
+                            boxes[g, u["path"], lyr, j] = tuple(box)
+            wanted: list[tuple[str, str, int, int]] = sorted(self._need.get(key) or boxes)
+            regions = None if set(wanted) == set(boxes) else [boxes[w] for w in wanted]
 
             def ref() -> jax.Array:
-                got = {(lyr, j): self._expert_at(group, name, lyr, held[lyr][j],
-                                                 rec["ref_step"][lyr][j], step)
-                       for lyr, j in rows}
-                some = next(iter(got.values()))
-                blank = jnp.zeros_like(some)
-                if flat is not None:
-                    order = sorted(flat, key=flat.__getitem__)
-                    return jnp.stack([got.get(pos, blank) for pos in order])
+                got = {}
+                for g, n, lyr, j in wanted:
+                    rec = meta["groups"][g]
+                    got[g, n, lyr, j] = self._expert_at(g, n, lyr, rec["held"][lyr][j],
+                                                        rec["ref_step"][lyr][j], step)
+                blank = jnp.zeros_like(next(iter(got.values())))
+                if "rows" in unit:
+                    at = {boxes[w][0][0]: w for w in boxes}
+                    return jnp.stack([got.get(at[r], blank) for r in range(shape[0])])
+                held = meta["groups"][group]["held"]
                 return ops.from_canonical(jnp.stack([
-                    jnp.stack([got.get((lyr, j), blank) for lyr in range(len(held))])
-                    for j in range(len(held[0]))]), axis, layer)
+                    jnp.stack([got.get((group, name, lyr, j), blank) for lyr in range(len(held))])
+                    for j in range(len(held[0]))]), unit["expert_axis"], unit["layer_axis"])
 
-            self._slots[key] = self._decode(step, name, group, expert, ref, regions)
+            self._slots[key] = self._decode(step, stored, group, expert, ref, regions)
         return self._slots[key]
 
     def _expert_at(self, group: str, name: str, layer: int, e: int, step: int,
@@ -464,7 +488,7 @@ class _Context:
     def expert(self, group: str, name: str, layer: int, e: int, step: int) -> jax.Array:
         """Expert ``e`` (layer ``layer``) of stacked leaf ``name`` as saved at ``step``."""
         rec, j = self._row(group, name, layer, e, step)
-        unit = next(u for u in rec["units"] if u.get("path") == name)
+        unit = _unit(rec, name)
         flat = _flat_rows(unit, rec["held"])
         if flat is not None:
             return self.slot(group, name, step, e)[flat[layer, j]]

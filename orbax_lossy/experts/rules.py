@@ -284,9 +284,13 @@ def _slot_path(path: StoredPath, start: int, end: int) -> StoredPath:
 def _merge_suffix_groups(groups: dict[str, Group], subtree_ids: dict[str, Any]) -> None:
     """Merge group ``0/blocks/0/moe`` into ``blocks/0/moe`` (a tuple or extra container in
     front of the parameters but not of the optimizer's copy of the model path)."""
-    names = sorted(set(groups) | set(subtree_ids), key=len)
-    for long in sorted(names, key=len, reverse=True):
-        short = next((s for s in names if s != long and long.endswith("/" + s)), None)
+    # sorted by (length, name): every process merges in the same order
+    names = sorted(set(groups) | set(subtree_ids), key=lambda s: (len(s), s))
+    containers = _STATE_KEYS | _OPTIMIZER_KEYS | _MOMENT_KEYS
+    for long in sorted(names, key=lambda s: (len(s), s), reverse=True):
+        # only a container prefix (``0/``, ``model/``), never another layer (``layers/3/``)
+        short = next((s for s in names if s != long and long.endswith("/" + s) and all(
+            p.isdigit() or p in containers for p in long[:-len(s) - 1].split("/"))), None)
         if short is None:
             continue
         if long in groups:

@@ -16,12 +16,13 @@ into, when ``P`` divides both N and K): both selections run per shard, ``K / P``
 paper's balanced per-rank schedule) and the held slices are cut shard-locally
 (:mod:`orbax_lossy.experts.device_ops`). ``P = 1`` is the plain rule above.
 
-Fewer held experts than shards (``K < P``, ``P`` dividing N and ``L K``, ``L`` the group's
-layer rows): sequential selection walks the experts *striped* over the shards, position ``i``
-standing for expert ``(i mod P) N/P + i div P`` (shard ``i mod P``). A group's ``L`` rows
-hold ``L K`` consecutive positions, so every shard holds ``L K / P`` slices of the leaf (no
-single row can be balanced) and the flat cut stays shard-local. With ``P = N`` (one expert
-per shard) the order is the plain one.
+Fewer held experts than shards (``K < P``, ``P`` dividing N): sequential selection walks the
+experts *striped* over the shards, position ``i`` standing for expert
+``(i mod P) N/P + i div P`` (shard ``i mod P``). Consecutive rows (the ``L`` layers of a
+scanned group, then the next groups) hold consecutive positions, so ``R`` rows hold
+``R K / P`` slices of every shard when ``P`` divides ``R K``: no single row can be balanced,
+but a scanned leaf or a bundle of the same leaf over several MoE layers can, and the flat cut
+stays shard-local. With ``P = N`` (one expert per shard) the order is the plain one.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ def balanced(n: int, k: int, shards: int) -> bool:
     return shards > 1 and n % shards == 0 and min(k, n) % shards == 0
 
 
-def striped(n: int, k: int, layers: int, shards: int) -> bool:
-    """Whether a group's ``layers`` rows of ``k < shards`` experts balance over the shards."""
-    return shards > 1 and k < shards and n % shards == 0 and (layers * k) % shards == 0
+def striped(n: int, k: int, shards: int) -> bool:
+    """Whether ``k`` of ``n`` experts are held in the striped order over ``shards``."""
+    return shards > 1 and k < shards and n % shards == 0
 
 
 def sequential(n: int, k: int, cursor: int, position: int, shards: int = 1,
