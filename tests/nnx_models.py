@@ -1,10 +1,12 @@
-"""A small NNX model with BatchNorm, Dropout and AdamW-style training, shared by tests."""
+"""Models and train steps shared by tests: a small NNX model with BatchNorm, Dropout and
+AdamW-style training, and the linen BatchNorm train step (``TrainState`` + ``batch_stats``)."""
 
 from __future__ import annotations
 
 import jax
 import optax
 from flax import nnx
+from flax.training import train_state
 
 
 class Net(nnx.Module):
@@ -37,3 +39,22 @@ def nnx_setup(tx, net=Net):
         return loss
 
     return model, opt, step
+
+
+class BNTrainState(train_state.TrainState):
+    """A linen ``TrainState`` with BatchNorm statistics."""
+
+    batch_stats: dict
+
+
+def linen_bn_train_step(ts, x, y):
+    """One step of a linen ``BNTrainState`` (BatchNorm in training mode, softmax cross-entropy
+    on ``(x, y)``): gradients applied, the updated batch statistics kept. Trace it in a jit."""
+
+    def loss_fn(p):
+        logits, upd = ts.apply_fn({"params": p, "batch_stats": ts.batch_stats}, x,
+                                  mutable=["batch_stats"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), upd
+
+    grads, upd = jax.grad(loss_fn, has_aux=True)(ts.params)
+    return ts.apply_gradients(grads=grads, batch_stats=upd["batch_stats"])

@@ -10,8 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from flax.training import train_state
-from nnx_models import Net
+from nnx_models import BNTrainState, Net, linen_bn_train_step
 from nnx_models import nnx_setup as shared_nnx_setup
 
 import orbax_lossy as ol
@@ -48,8 +47,7 @@ class CNN(nn.Module):
         return nn.Dense(3)(nn.relu(x).reshape((x.shape[0], -1)))
 
 
-class BNState(train_state.TrainState):
-    batch_stats: dict
+class BNState(BNTrainState):
     ema_params: dict
     loss_scale: jax.Array
 
@@ -66,13 +64,7 @@ def linen_bn_state():
 
     @jax.jit
     def step(ts):
-        def loss_fn(p):
-            logits, upd = ts.apply_fn({"params": p, "batch_stats": ts.batch_stats}, x,
-                                      mutable=["batch_stats"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), upd
-
-        grads, upd = jax.grad(loss_fn, has_aux=True)(ts.params)
-        ts = ts.apply_gradients(grads=grads, batch_stats=upd["batch_stats"])
+        ts = linen_bn_train_step(ts, x, y)
         ema = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, ts.ema_params, ts.params)
         return ts.replace(ema_params=ema, loss_scale=ts.loss_scale * 0.5)
 
