@@ -216,10 +216,93 @@ def _main(out: str) -> None:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), state0)))
 
     # closed loop with LC deltas on the held slots, sharded
-    root = os.path.join(out, "lc")
-    pec = ol.PartialExperts(k=2, rules=rules)
     lc = ol.LeafPolicy.create(defaults={**{r: ol.Exact() for r in ROLES}, "param": ol.LC(bits=3),
                                         "first_moment": ol.LC(bits=3)})
+    verdict = _closed_loop(os.path.join(out, "lc"), make, rules, lc, same, ("w_in", "b_in"))
+    res["closed_loop"] = verdict
+    res["flat"] = _flat_case(out, mesh8, exact, lc, collectives)
+    res["bundle"] = _bundle_case(out, mesh8, exact, lc, collectives)
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump(res, f)
+
+
+def _flatten_np(tree) -> dict:
+    import numpy as np
+
+    from orbax_lossy.treepaths import flatten, path_str
+
+    paths, leaves, _ = flatten(tree)
+    return {path_str(p): np.asarray(v) for p, v in zip(paths, leaves, strict=True)}
+
+
+def _exact_and_closed_loop(out: str, label: str, make, rules, exact, lc,
+                           expert_value) -> dict:
+    """Five saves of ``make(step)`` with exact codecs, then a restore of step 5 checked against
+    the saved states (every expert from its holder: ``expert_value(value, e, layer)`` cuts
+    one expert slice of a leaf), targeted and untargeted; then five LC saves, each restored in
+    a fresh manager and compared with the mosaic (the closed loop)."""
+    import jax
+    import numpy as np
+
+    import orbax_lossy as ol
+
+    res: dict = {}
+    root = os.path.join(out, f"{label}_exact")
+    mngr = ol.checkpoint_manager(root, partial_experts=ol.PartialExperts(k=2, rules=rules),
+                                 policy=exact, max_to_keep=2)
+    states = {}
+    for step in range(1, 6):
+        st = make(step)
+        mngr.save(step, args=ol.LossySave(st))
+        mngr.wait_until_finished()
+        states[step] = _flatten_np(st)
+    mngr.close()
+    res["root"] = root
+    res["reports"] = {s: ol.partial_experts_report(os.path.join(root, str(s), "default"))
+                      for s in range(2, 6)}
+    holders = res["reports"][5]["expert_steps"]
+
+    def check(tree) -> str:
+        got = _flatten_np(tree)
+        if set(got) != set(states[5]):
+            return f"leaves {sorted(set(got) ^ set(states[5]))}"
+        for name, value in got.items():
+            if not name.endswith("moe/w"):
+                if not np.array_equal(value, states[5][name]):
+                    return f"{name} != step 5"
+                continue
+            group = next(g for g in holders if f"/{g}/" in f"/{name}")
+            per_layer = holders[group]
+            per_layer = per_layer if isinstance(per_layer[0], list) else [per_layer]
+            for lyr, row in enumerate(per_layer):
+                for e, h in enumerate(row):
+                    if not np.array_equal(expert_value(value, e, lyr),
+                                          expert_value(states[h][name], e, lyr)):
+                        return f"{name}[{e}, layer {lyr}] != step {h}"
+        return "ok"
+
+    same = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        make(0))
+    m = ol.checkpoint_manager(root, partial_experts=ol.PartialExperts(k=2, rules=rules),
+                              policy=exact)
+    res["oracle"] = check(m.restore(5, args=ol.LossyRestore(same)))
+    res["untargeted"] = check(m.restore(5))
+    m.close()
+
+    res["closed_loop"] = _closed_loop(os.path.join(out, f"{label}_lc"), make, rules, lc, same,
+                                      ("moe/w",))
+    return res
+
+
+def _closed_loop(root: str, make, rules, lc, target, suffixes) -> str:
+    """Five saves with ``lc``, each restored in a fresh manager onto ``target``: every expert
+    leaf of PEC's mosaic (what the next delta is coded against) must be one restored leaf
+    ending in ``suffixes``, bit for bit."""
+    import numpy as np
+
+    import orbax_lossy as ol
+
+    pec = ol.PartialExperts(k=2, rules=rules)
     mngr = ol.checkpoint_manager(root, partial_experts=pec, policy=lc, max_to_keep=2)
     verdict = "ok"
     for step in range(1, 6):
@@ -227,19 +310,13 @@ def _main(out: str) -> None:
         mngr.wait_until_finished()
         m = ol.checkpoint_manager(root, partial_experts=ol.PartialExperts(k=2, rules=rules),
                                   policy=lc)
-        got = flat(m.restore(step, args=ol.LossyRestore(same)))
+        got = _flatten_np(m.restore(step, args=ol.LossyRestore(target)))
         for key, full in pec.mosaic().items():
-            group, u = key.rsplit("#", 1)
-            del group
-            names = sorted(n for n in got if n.endswith(("w_in", "b_in")))
-            if not any(np.array_equal(np.asarray(full), got[n]) for n in names):
+            if not any(np.array_equal(np.asarray(full), got[n]) for n in got
+                       if n.endswith(suffixes)):
                 verdict = f"step {step}: mosaic {key} differs from the restore"
     mngr.close()
-    res["closed_loop"] = verdict
-    res["flat"] = _flat_case(out, mesh8, exact, lc, collectives)
-    res["bundle"] = _bundle_case(out, mesh8, exact, lc, collectives)
-    with open(os.path.join(out, "result.json"), "w") as f:
-        json.dump(res, f)
+    return verdict
 
 
 def _flat_case(out, mesh8, exact, lc, collectives) -> dict:
@@ -250,9 +327,9 @@ def _flat_case(out, mesh8, exact, lc, collectives) -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import orbax_lossy as ol
     from orbax_lossy.experts import device_ops
     from orbax_lossy.experts.record import _find
+    from orbax_lossy.experts.restore import _Context
     from orbax_lossy.format.manifest import read_manifest
 
     res: dict = {}
@@ -269,7 +346,6 @@ def _flat_case(out, mesh8, exact, lc, collectives) -> dict:
 
         return {"params": part(), "opt_state": {"mu": part()}}
 
-    rules = [(r"moe/w$", 0, 1)]
     w0 = make(0)["params"]["moe"]["w"]
     held = np.array([[0, 1], [2, 3], [4, 5], [6, 7]])
     assert device_ops.local_plan(w0, held, 0, 1) is None
@@ -288,76 +364,20 @@ def _flat_case(out, mesh8, exact, lc, collectives) -> dict:
     expect[held.T, np.arange(4)[None, :]] = w0_np[held.T, np.arange(4)[None, :]]
     assert np.array_equal(np.asarray(back), expect) and back.sharding == w0.sharding
 
-    from orbax_lossy.treepaths import flatten, path_str
-
-    def flatten_np(tree):
-        paths, leaves, _ = flatten(tree)
-        return {path_str(p): np.asarray(v) for p, v in zip(paths, leaves, strict=True)}
-
-    root = os.path.join(out, "flat_exact")
-    mngr = ol.checkpoint_manager(root, partial_experts=ol.PartialExperts(k=2, rules=rules),
-                                 policy=exact, max_to_keep=2)
-    states = {}
-    for step in range(1, 6):
-        st = make(step)
-        mngr.save(step, args=ol.LossySave(st))
-        mngr.wait_until_finished()
-        states[step] = flatten_np(st)
-    mngr.close()
-    reports = {s: ol.partial_experts_report(os.path.join(root, str(s), "default"))
-               for s in range(2, 6)}
+    runs = _exact_and_closed_loop(out, "flat", make, [(r"moe/w$", 0, 1)], exact, lc,
+                                  lambda v, e, lyr: v[e, lyr])
+    root, reports = runs.pop("root"), runs.pop("reports")
+    res.update(runs)
     res["held_rows"] = [reports[s]["held"]["moe"] for s in range(2, 6)]
     entry = _find(read_manifest(os.path.join(root, "4", "default")), "params/moe/w")
     res["slot_shape"] = list(entry.shape)
     res["piece_rows"] = [p.box[0][1] - p.box[0][0] for p in entry.pieces]
-    meta = reports[5]
-    holder = meta["expert_steps"]["moe"]  # [layers][experts]
-
-    def check(tree) -> str:
-        got = flatten_np(tree)
-        for name, value in got.items():
-            if name.endswith("moe/w"):
-                for lyr in range(4):
-                    for e in range(8):
-                        h = holder[lyr][e]
-                        if not np.array_equal(value[e, lyr], states[h][name][e, lyr]):
-                            return f"{name}[{e}, {lyr}] != step {h}"
-            elif not np.array_equal(value, states[5][name]):
-                return f"{name} != step 5"
-        return "ok"
-
-    from orbax_lossy.experts.restore import _Context
-
     unit = _Context(os.path.join(root, "4", "default"), 1, [0]).meta(4)["groups"]["moe"][
         "units"][0]
     res["rows_recorded"] = (sorted((lyr, e) for lyr, e, _ in unit["rows"]) == sorted(
         (lyr, e) for lyr, row in enumerate(res["held_rows"][2]) for e in row)
         and sorted(r for _, _, r in unit["rows"]) == list(range(8))
         and unit["shape"] == [8, 4, 6])
-    same = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                        make(0))
-    m = ol.checkpoint_manager(root, partial_experts=ol.PartialExperts(k=2, rules=rules),
-                              policy=exact)
-    res["oracle"] = check(m.restore(5, args=ol.LossyRestore(same)))
-    res["untargeted"] = check(m.restore(5))
-    m.close()
-
-    root = os.path.join(out, "flat_lc")
-    pec = ol.PartialExperts(k=2, rules=rules)
-    mngr = ol.checkpoint_manager(root, partial_experts=pec, policy=lc, max_to_keep=2)
-    verdict = "ok"
-    for step in range(1, 6):
-        mngr.save(step, args=ol.LossySave(make(step)))
-        mngr.wait_until_finished()
-        m = ol.checkpoint_manager(root, partial_experts=ol.PartialExperts(k=2, rules=rules),
-                                  policy=lc)
-        got = flatten_np(m.restore(step, args=ol.LossyRestore(same)))
-        full = next(v for v in pec.mosaic().values())
-        if not any(np.array_equal(np.asarray(full), got[n]) for n in got
-                   if n.endswith("moe/w")):
-            verdict = f"step {step}: the mosaic differs from the restore"
-    mngr.close()
-    res["closed_loop"] = verdict
     return res
 
 
@@ -369,11 +389,9 @@ def _bundle_case(out, mesh8, exact, lc, collectives) -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import orbax_lossy as ol
     from orbax_lossy.experts import device_ops
-    from orbax_lossy.experts.record import META_NAME, _find
+    from orbax_lossy.experts.record import _find
     from orbax_lossy.format.manifest import read_manifest
-    from orbax_lossy.treepaths import flatten, path_str
 
     res: dict = {}
     w_sh = NamedSharding(mesh8, P("expert", None))
@@ -389,10 +407,6 @@ def _bundle_case(out, mesh8, exact, lc, collectives) -> dict:
 
         return {"params": part(), "opt_state": {"mu": part()}}
 
-    def flatten_np(tree):
-        paths, leaves, _ = flatten(tree)
-        return {path_str(p): np.asarray(v) for p, v in zip(paths, leaves, strict=True)}
-
     ws = [make(0)["params"]["blocks"][i]["moe"]["w"] for i in range(4)]
     helds = [np.array([[2 * i, 2 * i + 1]]) for i in range(4)]
     cut = device_ops.flat_plan(ws, helds, 0, None)
@@ -402,68 +416,17 @@ def _bundle_case(out, mesh8, exact, lc, collectives) -> dict:
     res["put_collectives"] = [c for c in collectives
                               if c in device_ops.flat_hlo("put", ws, cut, slot)]
     assert [s.data.shape[0] for s in slot.addressable_shards] == [1] * 8
-    rules = [(r"moe/w$", 0)]
-    root = os.path.join(out, "bundle_exact")
-    mngr = ol.checkpoint_manager(root, partial_experts=ol.PartialExperts(k=2, rules=rules),
-                                 policy=exact, max_to_keep=2)
-    states = {}
-    for step in range(1, 6):
-        st = make(step)
-        mngr.save(step, args=ol.LossySave(st))
-        mngr.wait_until_finished()
-        states[step] = flatten_np(st)
-    mngr.close()
-    reports = {s: ol.partial_experts_report(os.path.join(root, str(s), "default"))
-               for s in range(2, 6)}
+    runs = _exact_and_closed_loop(out, "bundle", make, [(r"moe/w$", 0)], exact, lc,
+                                  lambda v, e, lyr: v[e])
+    root, reports = runs.pop("root"), runs.pop("reports")
+    res.update(runs)
     groups = [f"blocks/{i}/moe" for i in range(4)]
     res["held_rows"] = [[reports[s]["held"][g] for g in groups] for s in range(2, 6)]
     manifest = read_manifest(os.path.join(root, "4", "default"))
-    res["stored"] = sorted(e.name for e in manifest.leaves
-                           if "w" in e.name and e.name != META_NAME and "/w" in e.name)
+    res["stored"] = sorted(e.name for e in manifest.leaves if e.name.endswith("/w"))
     entry = _find(manifest, "params/*/w")
     res["slot_shape"] = list(entry.shape)
     res["piece_rows"] = [p.box[0][1] - p.box[0][0] for p in entry.pieces]
-    holder = reports[5]["expert_steps"]
-
-    def check(tree) -> str:
-        got = flatten_np(tree)
-        if set(got) != set(states[5]):
-            return f"leaves {sorted(set(got) ^ set(states[5]))}"
-        for name, value in got.items():
-            if name.endswith("moe/w"):
-                g = name[name.index("blocks/"):-len("/w")]
-                for e in range(8):
-                    h = holder[g][e]
-                    if not np.array_equal(value[e], states[h][name][e]):
-                        return f"{name}[{e}] != step {h}"
-            elif not np.array_equal(value, states[5][name]):
-                return f"{name} != step 5"
-        return "ok"
-
-    same = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                        make(0))
-    m = ol.checkpoint_manager(root, partial_experts=ol.PartialExperts(k=2, rules=rules),
-                              policy=exact)
-    res["oracle"] = check(m.restore(5, args=ol.LossyRestore(same)))
-    res["untargeted"] = check(m.restore(5))
-    m.close()
-
-    root = os.path.join(out, "bundle_lc")
-    pec = ol.PartialExperts(k=2, rules=rules)
-    mngr = ol.checkpoint_manager(root, partial_experts=pec, policy=lc, max_to_keep=2)
-    verdict = "ok"
-    for step in range(1, 6):
-        mngr.save(step, args=ol.LossySave(make(step)))
-        mngr.wait_until_finished()
-        m = ol.checkpoint_manager(root, partial_experts=ol.PartialExperts(k=2, rules=rules),
-                                  policy=lc)
-        got = flatten_np(m.restore(step, args=ol.LossyRestore(same)))
-        for key, full in pec.mosaic().items():
-            if not any(np.array_equal(np.asarray(full), got[n]) for n in got
-                       if n.endswith("moe/w")):
-                verdict = f"step {step}: mosaic {key} differs from the restore"
-    mngr.close()
-    res["closed_loop"] = verdict
     return res
 
 
