@@ -152,3 +152,51 @@ def test_direct_cluster_codes_base_saves_and_restores_from_the_newest_link(tmp_p
     got = np.asarray(restored["nu"])
     assert got.min() > 0
     assert np.linalg.norm(got - nu * 1.2) / np.linalg.norm(nu * 1.2) < 0.2
+
+
+def reference_assign(x: jax.Array, centroids: jax.Array) -> jax.Array:
+    """``assign`` as it was before the compare-all rewrite (always a binary search)."""
+    mids = (centroids[1:] + centroids[:-1]) * jnp.asarray(0.5, centroids.dtype)
+    return jnp.searchsorted(mids, x, side="left").astype(jnp.int32)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 6, 7, 8])
+def test_encode_is_bit_identical_to_the_binary_search_assignment(bits, monkeypatch) -> None:
+    """Symbols, codebook and reconstruction equal the encode with the reference assignment,
+    in delta, direct and log modes, incl. zeros, ties and a single element."""
+    from orbax_lossy.codecs import cluster as cluster_module
+
+    rng = np.random.default_rng(bits)
+    ref = rng.standard_normal((64, 64)).astype(np.float32)
+    value = ref + 1e-3 * rng.standard_normal(ref.shape).astype(np.float32)
+    value[0, :9] = ref[0, :9]  # zero deltas
+    value[1, :5] = ref[1, :5] + 0.25  # ties
+    codecs = [Cluster(bits, mode="delta", iters=4, sample=256), Cluster(bits, iters=4),
+              Cluster(bits, domain="log", iters=4)]
+    inputs = [(value, ref), (np.abs(value), None), (value[:1, :1], ref[:1, :1]),
+              (np.zeros_like(value), ref)]
+    for codec in codecs:
+        for v, r in inputs:
+            r = None if not codec.needs_reference else (ref[: v.shape[0], : v.shape[1]]
+                                                        if r is None else r)
+            run = jax.jit(codec.encode)
+            with monkeypatch.context() as patch:
+                new = jax.device_get(run(jnp.asarray(v), None if r is None else jnp.asarray(r)))
+                patch.setattr(cluster_module, "assign", reference_assign)
+                old = jax.device_get(jax.jit(codec.encode)(
+                    jnp.asarray(v), None if r is None else jnp.asarray(r)))
+            for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True):
+                assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), (codec, v.shape)
+
+
+def test_assignment_falls_back_to_the_binary_search_on_unsorted_boundaries() -> None:
+    """Non-finite centroids (unsorted or NaN boundaries) give the binary search's answer."""
+    from orbax_lossy.codecs.cluster import assign
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(1000), jnp.float32)
+    x = x.at[:3].set(jnp.asarray([0.0, -0.0, np.nan]))
+    for c in ([-np.inf, np.inf, 1.0, 2.0], [np.nan, 0.0, 1.0], [-1.0, -0.0, 0.0, 0.0, 3.0],
+              [0.0, 0.0, -0.0, 1.0], [-2.0, -1.0, 0.5, 4.0]):
+        c = jnp.asarray(c, jnp.float32)
+        new, old = jax.jit(lambda x, c: (assign(x, c), reference_assign(x, c)))(x, c)
+        assert np.array_equal(np.asarray(new), np.asarray(old)), c

@@ -75,9 +75,35 @@ def lloyd_sorted(xs: jax.Array, n_valid: jax.Array, k: int, iters: int) -> jax.A
     return jax.lax.fori_loop(0, iters, step, c0)
 
 
+#: up to this many decision boundaries, elements are assigned by counting the boundaries
+#: below them (one vectorized pass) instead of a binary search (a loop over the leaf with
+#: leaf-sized state on XLA:CPU)
+COMPARE_ALL_MAX = 63
+
+
 def assign(x: jax.Array, centroids: jax.Array) -> jax.Array:
-    """Index of the nearest of the sorted ``centroids`` for every element (int32)."""
-    return jnp.searchsorted(midpoints(centroids), x, side="left").astype(jnp.int32)
+    """Index of the nearest of the sorted ``centroids`` for every element (int32).
+
+    ``searchsorted(midpoints, x, side="left")``. With few boundaries that are sorted in the
+    total order ``searchsorted`` uses (always, unless a centroid is not finite), the index is
+    the count of boundaries below ``x`` in that order, which is the same number.
+    """
+    mids = midpoints(centroids)
+    search = lambda: jnp.searchsorted(mids, x, side="left").astype(jnp.int32)  # noqa: E731
+    if mids.shape[0] > COMPARE_ALL_MAX or mids.shape[0] < 2:
+        return search()
+    count = lambda: jnp.searchsorted(  # noqa: E731
+        mids, x, side="left", method="compare_all").astype(jnp.int32)
+    return jax.lax.cond(total_order_ascending(mids), count, search)
+
+
+def total_order_ascending(a: jax.Array) -> jax.Array:
+    """Whether the 1-D float ``a`` has no NaN and is non-decreasing in the total order of
+    ``jnp.sort`` (``-0.0`` before ``0.0``): the bits, as sign-magnitude integers."""
+    sint = jnp.int64 if a.dtype.itemsize == 8 else jnp.int32
+    raw = jax.lax.bitcast_convert_type(a.astype(jnp.promote_types(a.dtype, jnp.float32)), sint)
+    key = jnp.where(raw < 0, raw ^ jnp.iinfo(sint).max, raw)  # monotone in the value
+    return ~jnp.any(jnp.isnan(a)) & jnp.all(key[1:] >= key[:-1])
 
 
 def coded_domain(x: jax.Array, domain: str) -> tuple[jax.Array, jax.Array]:

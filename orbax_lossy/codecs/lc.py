@@ -49,6 +49,27 @@ def exponent_buckets(delta: jax.Array) -> tuple[jax.Array, int]:
     return bucket, 2 * (hi - lo + 1)
 
 
+def segment_ids(x: jax.Array) -> tuple[jax.Array, int]:
+    """Bucket id of every element of the flat ``x`` as a segment id: ``n_buckets`` for zeros
+    and subnormals (and non-finite elements), else the id :func:`exponent_buckets` gives,
+    read from the exponent bits (no ``frexp``).
+
+    Returns ``(ids, n_buckets)``; ids are int16 where they fit.
+    """
+    lo, hi = _exponent_range(x.dtype)
+    info = jnp.finfo(x.dtype)
+    n_buckets = 2 * (hi - lo + 1)
+    uint = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
+    raw = jax.lax.bitcast_convert_type(x, uint)
+    field = (raw >> int(info.nmant)) & ((1 << int(info.nexp)) - 1)  # biased exponent
+    sign = (raw >> (8 * x.dtype.itemsize - 1)).astype(jnp.int32)
+    # frexp's exponent of a normal number is field - (maxexp - 2)
+    bucket = 2 * (field.astype(jnp.int32) + (2 - hi - lo)) + sign
+    normal = (field > 0) & (field < (1 << int(info.nexp)) - 1)
+    ids = jnp.where(normal, bucket, n_buckets)
+    return ids.astype(jnp.int16 if n_buckets < 2**15 else jnp.int32), n_buckets
+
+
 def promote(
     delta: jax.Array, bits: int, lift: jax.Array | None = None, reserve: int = 0
 ) -> tuple[jax.Array, jax.Array]:
@@ -62,14 +83,19 @@ def promote(
     """
     n_symbols = 2**bits - reserve
     flat = delta.reshape(-1)
-    bucket, n_buckets = exponent_buckets(flat)
-    seg = jnp.where(bucket < 0, n_buckets, bucket)  # zeros go to a dropped extra segment
-    mag = jnp.abs(flat)
-    big = jnp.asarray(jnp.inf, mag.dtype)
-    # Two scatters, not three: a bucket's elements are >= tiny > 0, so it is present exactly
-    # when its maximum is (an empty segment's maximum is -inf).
-    max_mag = jax.ops.segment_max(mag, seg, num_segments=n_buckets + 1)[:-1]
-    min_mag = jax.ops.segment_min(jnp.where(bucket < 0, big, mag), seg, n_buckets + 1)[:-1]
+    # Two scatters of the signed delta over the bucket ids (zeros go to a dropped extra
+    # segment): a positive bucket's magnitudes span [min, max] of its deltas, a negative
+    # one's [-max, -min]. XLA:CPU materializes a scatter's operands, so both scatters share
+    # the delta and the ids (|delta| and an inf-masked copy of it were two more leaf-sized
+    # temporaries). A bucket's elements are >= tiny > 0 in magnitude, so it is present
+    # exactly when its maximum magnitude is (an empty segment's maximum is -inf).
+    seg, n_buckets = segment_ids(flat)
+    top_of = jax.ops.segment_max(flat, seg, num_segments=n_buckets + 1)[:-1]
+    bottom_of = jax.ops.segment_min(flat, seg, num_segments=n_buckets + 1)[:-1]
+    negative = jnp.arange(n_buckets) % 2 == 1
+    max_mag = jnp.where(negative, -bottom_of, top_of)
+    min_mag = jnp.where(negative, -top_of, bottom_of)
+    dtype = flat.dtype
 
     present = (max_mag > 0).reshape(-1, 2)  # [exponent, sign]
     per_exponent = present.sum(axis=1)
@@ -79,8 +105,8 @@ def promote(
         # One symbol besides 0 and both signs at the top exponent: keep the fuller bucket
         # (with more symbols the top exponent's buckets always fit, so keep is never empty).
         top = jnp.max(jnp.where(per_exponent > 0, jnp.arange(per_exponent.shape[0]), -1))
-        negatives = jnp.sum((bucket == 2 * top + 1).astype(jnp.int32))
-        positives = jnp.sum((bucket == 2 * top).astype(jnp.int32))
+        negatives = jnp.sum((seg == 2 * top + 1).astype(jnp.int32))
+        positives = jnp.sum((seg == 2 * top).astype(jnp.int32))
         fuller = jnp.where(negatives > positives, 1, 0)
         fallback = (
             jnp.zeros_like(keep).at[top, fuller].set(True) & present & (top >= 0)
@@ -90,22 +116,28 @@ def promote(
 
     rank = jnp.cumsum(keep[::-1].astype(jnp.int32))[::-1]  # kept buckets with id >= this one
     symbol_of_bucket = jnp.where(keep, rank, 0)
-    midrange = (max_mag + min_mag) * jnp.asarray(0.5, mag.dtype)
-    signed = jnp.where(jnp.arange(n_buckets) % 2 == 1, -midrange, midrange)
-    reps = jnp.zeros((2**bits,), mag.dtype).at[symbol_of_bucket].max(
+    midrange = (max_mag + min_mag) * jnp.asarray(0.5, dtype)
+    signed = jnp.where(negative, -midrange, midrange)
+    reps = jnp.zeros((2**bits,), dtype).at[symbol_of_bucket].max(
         jnp.where(keep, jnp.abs(signed), 0)
     )
     sign_of_symbol = jnp.zeros((2**bits,), jnp.bool_).at[symbol_of_bucket].max(
-        keep & (jnp.arange(n_buckets) % 2 == 1)
+        keep & negative
     )
     reps = jnp.where(sign_of_symbol, -reps, reps)
-    symbols = jnp.where(bucket < 0, 0, symbol_of_bucket[jnp.maximum(bucket, 0)])
+    # the dropped segment (zeros) is symbol 0; a uint8 table: no int32 symbol temporary
+    # Written by a scatter, so computed once: XLA fuses a computed table into the per-element
+    # gather and redoes its arithmetic for every element otherwise.
+    table = jnp.zeros((n_buckets + 1,), jnp.uint8).at[jnp.arange(n_buckets)].set(
+        symbol_of_bucket.astype(jnp.uint8), unique_indices=True, indices_are_sorted=True
+    )
+    symbols = table[seg]
     if lift is not None:
-        positive_kept = keep & (jnp.arange(n_buckets) % 2 == 0)
+        positive_kept = keep & ~negative
         lowest = jnp.argmax(positive_kept)  # smallest exponent first: the lowest kept bucket
         lifted = lift.reshape(-1) & (symbols == 0) & jnp.any(positive_kept)
-        symbols = jnp.where(lifted, symbol_of_bucket[lowest], symbols)
-    return symbols.astype(jnp.uint8).reshape(delta.shape), reps
+        symbols = jnp.where(lifted, table[lowest], symbols)
+    return symbols.reshape(delta.shape), reps
 
 
 def dequantize(symbols: jax.Array, reps: jax.Array) -> jax.Array:
