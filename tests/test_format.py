@@ -86,7 +86,7 @@ def _save_two(tmp_path):
     mngr = ol.checkpoint_manager(tmp_path, handler=handler, max_to_keep=None)
     mngr.save(0, args=ol.LossySave(state))
     mngr.wait_until_finished()
-    state2 = dict(state, w=state["w"] + 0.01)
+    state2 = dict(state, w=state["w"] + 0.01, n=state["n"] + 1)  # (unchanged: `same`)
     mngr.save(1, args=ol.LossySave(state2))
     mngr.wait_until_finished()
     return mngr, handler

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from orbax_lossy.codecs.base import Codec
+from orbax_lossy.codecs.same import bits_equal
 
 
 def _constrain(x: jax.Array, sharding: jax.sharding.Sharding | None) -> jax.Array:
@@ -72,7 +73,8 @@ def _encode_tree(
     plan: tuple[Codec, ...],
     shardings: tuple[jax.sharding.Sharding | None, ...],
 ) -> list[dict[str, Any]]:
-    """Encode every leaf; returns per leaf ``{fields, side, recon, safe, rel_error}``.
+    """Encode every leaf; returns per leaf ``{fields, side, recon, safe, rel_error, same}``
+    (``same``: an ``exact`` leaf is bit-identical to its reference).
 
     A lossy or delta codec's output is *guarded*: when the value, the reference, the delta
     between them or the reconstruction is not finite, or the reconstruction breaks the sign
@@ -81,8 +83,8 @@ def _encode_tree(
     never a wrong sign).
     """
     out = []
-    for value, ref, codec, sharding in zip(values, references, plan, shardings, strict=True):
-        ref = ref if codec.needs_reference else None
+    for value, given, codec, sharding in zip(values, references, plan, shardings, strict=True):
+        ref = given if codec.needs_reference else None
         enc = codec.device_encode(value, ref)
         # An exact leaf reconstructs to its value: the handler owns `value` (a copy made in
         # async_save), so no second copy is needed (XLA drops the codec's unused copy).
@@ -98,9 +100,19 @@ def _encode_tree(
                 "recon": _constrain(recon, sharding),
                 "safe": safe,
                 "rel_error": _relative_error(value, recon),
+                "same": _unchanged(value, given, codec),
             }
         )
     return out
+
+
+def _unchanged(value: jax.Array, reference: jax.Array | None, codec: Codec) -> jax.Array:
+    """Whether an ``exact`` leaf holds the same bits as its reference (then the save stores
+    it as ``same``: :mod:`orbax_lossy.codecs.same`)."""
+    if (codec.codec_id != "exact" or reference is None or reference.shape != value.shape
+            or reference.dtype != value.dtype):
+        return jnp.zeros((), jnp.bool_)
+    return bits_equal(value, reference)
 
 
 encode_tree = jax.jit(_encode_tree, static_argnames=("plan", "shardings"))

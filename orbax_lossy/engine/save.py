@@ -33,6 +33,7 @@ import numpy as np
 
 from orbax_lossy.codecs.base import Codec, codec_config
 from orbax_lossy.codecs.exact import Exact
+from orbax_lossy.codecs.same import Same
 from orbax_lossy.engine import device
 from orbax_lossy.engine.reference import Reference, Signature, delta_signature
 from orbax_lossy.errors import FormatError, LossyError
@@ -286,15 +287,22 @@ def iter_jobs(req: SaveRequest, dispatched: Dispatched) -> Iterator[LeafJob]:
             yield _leaf_job(req, i, Exact(), {}, shards, 0.0)
             continue
         out = encoded[position[i]]
-        safe, rel_error, side = jax.device_get((out["safe"], out["rel_error"], out["side"]))
+        safe, rel_error, side, same = jax.device_get(
+            (out["safe"], out["rel_error"], out["side"], out["same"]))
         codec, fields = plan[i], out["fields"]
         if not bool(safe):
             # Non-finite input, delta or reconstruction, or a sign-breaking reconstruction
             # (device.encode_tree): store this leaf exactly for this save (never garbage).
             codec, side, rel_error, fields = Exact(), {}, 0.0, {"raw": out["recon"]}
+        unit_axes = req.unit_axes.get(i, ())
+        if bool(same):  # an exact leaf that did not change: a zero run, no lossless coding
+            yield _leaf_job(req, i, Same(), {}, {"sym": grid.split_units(
+                [(box, np.zeros(d.shape, np.uint8)) for box, d in
+                 _replica0_shards(fields["raw"])], unit_axes)}, 0.0)
+            continue
         shards = {
             name: grid.split_units([(box, np.asarray(d)) for box, d in _replica0_shards(arr)],
-                                   req.unit_axes.get(i, ()))
+                                   unit_axes)
             for name, arr in fields.items()
         }
         yield _leaf_job(req, i, codec, side, shards, rel_error)
@@ -303,15 +311,18 @@ def iter_jobs(req: SaveRequest, dispatched: Dispatched) -> Iterator[LeafJob]:
 def save_stats(req: SaveRequest, dispatched: Dispatched) -> dict[str, Any]:
     """Base or delta, and per leaf the codec chosen and the relative error measured, from the
     device flags alone (waits for the device programs, not for the files)."""
-    flags = jax.device_get([(e["safe"], e["rel_error"]) for e in dispatched.encoded])
+    flags = jax.device_get([(e["safe"], e["rel_error"], e["same"])
+                            for e in dispatched.encoded])
     leaves: dict[str, Any] = {}
     by_position = dict(zip(dispatched.device_leaves, flags, strict=True))
     for i, path in enumerate(req.paths):
         codec: Codec = Exact()
         err = 0.0
         if i in by_position:
-            safe, rel_error = by_position[i]
-            if bool(safe):
+            safe, rel_error, same = by_position[i]
+            if bool(same):
+                codec = Same()
+            elif bool(safe):
                 codec, err = dispatched.plan[i], float(rel_error)
         leaves[path_str(path)] = {"codec": codec_config(codec)["id"], "rel_error": err}
     return {"kind": req.header.save_type, "leaves": leaves}
