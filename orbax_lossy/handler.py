@@ -183,6 +183,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         async def commit() -> None:
             try:
                 running = dispatched if dispatched is not None else save.dispatch_encode(request)
+                save.release_inputs(request)
                 # Entropy coding and writing start on another thread as soon as the first
                 # group of leaves is encoded; the reference is published once the device
                 # programs are done, without waiting for the files.

@@ -245,6 +245,19 @@ def dispatch_encode(req: SaveRequest) -> Dispatched:
     return Dispatched(plan, device_leaves, encoded)
 
 
+def release_inputs(req: SaveRequest) -> None:
+    """Drop the request's hold on the handler's device copies and on the previous reference
+    once the encode programs are dispatched (shapes, dtypes and shardings stay for the
+    manifest). The runtime keeps each buffer alive until the programs that read it are done,
+    so a save's extra memory is freed group by group while the entropy coder is still
+    running, instead of after the last file is written. A failed save drops the item's
+    reference anyway (the next save is a base)."""
+    req.values = [jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+                  if s == "device" else v for v, s in zip(req.values, req.storages, strict=True)]
+    if req.ref is not None:
+        req.ref.values[:] = [None] * len(req.ref.values)
+
+
 def _leaf_job(req: SaveRequest, i: int, codec: Codec, side: dict,
               shards: dict[str, HostShards], err: float) -> LeafJob:
     arr = req.values[i]  # metadata only: a device value may already be released
