@@ -164,6 +164,34 @@ def test_striped_rotation_balances_scanned_layers_over_more_shards_than_k(n, k, 
     assert not selection.striped(16, 8, 8) and not selection.striped(12, 2, 8)
 
 
+def test_load_aware_balanced_over_more_shards_than_k():
+    # 4 rows (MoE layers), K=2 of 8 experts over 8 shards (one expert each): every shard holds
+    # exactly 4*2/8 = 1 slice; within that quota the experts with the most unsaved tokens win
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        unsaved = rng.integers(0, 100, size=(4, 8))
+        age = rng.integers(0, 5, size=(4, 8))
+        held = selection.load_aware_balanced(8, 2, unsaved, age, None, 8)
+        assert held is not None and all(len(set(h)) == 2 for h in held)
+        assert sorted(e for h in held for e in h) == list(range(8))
+    # the row/expert pair with the most tokens is always held
+    unsaved = np.zeros((4, 8), np.int64)
+    unsaved[2, 5] = 50
+    held = selection.load_aware_balanced(8, 2, unsaved, np.zeros((4, 8)), None, 8)
+    assert 5 in held[2]
+    # staleness first: expert 7 of row 0 unsaved for 9 saves is held although it has no tokens
+    age = np.zeros((4, 8), np.int64)
+    age[0, 7] = 9
+    held = selection.load_aware_balanced(8, 2, np.ones((4, 8)), age, 3, 8)
+    assert 7 in held[0]
+    # 16 experts over 8 shards (2 each), 2 rows x K=4 = 8 slices: one per shard
+    held = selection.load_aware_balanced(16, 4, rng.integers(0, 9, (2, 16)),
+                                         np.zeros((2, 16)), None, 8)
+    assert np.bincount([e // 2 for h in held for e in h], minlength=8).tolist() == [1] * 8
+    # quotas that cannot be met are refused (3 rows x K=2 over 8 shards)
+    assert selection.load_aware_balanced(8, 2, np.ones((3, 8)), np.ones((3, 8)), None, 8) is None
+
+
 def test_load_aware_top_k_ties_and_staleness():
     unsaved = [5, 9, 9, 1, 0, 0, 0, 7]
     age = [0, 1, 3, 0, 0, 0, 0, 0]

@@ -89,6 +89,17 @@ def test_k_below_the_expert_shards_bundles_per_layer_leaves(result):
     assert b["closed_loop"] == "ok"
 
 
+def test_load_aware_k_below_the_expert_shards_stays_bundled(result):
+    # the same 4 per-layer leaves with selection="load_aware": the top experts by unsaved
+    # tokens are chosen under a quota of one slice per shard, so the bundle still applies
+    la = result["bundle_load_aware"]
+    assert la["stored"] == ["opt_state/mu/*/w", "params/*/w"]
+    for held in la["held_rows"]:
+        assert sorted(e for row in held for e in row) == list(range(8))
+    assert la["hot_held"]  # the expert with the most tokens was held
+    assert la["oracle"] == "ok"
+
+
 def test_restore_oracle_on_the_saving_sharding(result):
     assert result["oracle"] == "ok"
 
@@ -222,6 +233,7 @@ def _main(out: str) -> None:
     res["closed_loop"] = verdict
     res["flat"] = _flat_case(out, mesh8, exact, lc, collectives)
     res["bundle"] = _bundle_case(out, mesh8, exact, lc, collectives)
+    res["bundle_load_aware"] = res["bundle"].pop("load_aware")
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(res, f)
 
@@ -427,6 +439,54 @@ def _bundle_case(out, mesh8, exact, lc, collectives) -> dict:
     entry = _find(manifest, "params/*/w")
     res["slot_shape"] = list(entry.shape)
     res["piece_rows"] = [p.box[0][1] - p.box[0][0] for p in entry.pieces]
+    res_la = _load_aware_bundle(out, make, groups, exact)
+    return {**res, "load_aware": res_la}
+
+
+def _load_aware_bundle(out: str, make, groups, exact) -> dict:
+    """The bundle case under ``selection="load_aware"`` with per-layer token counts."""
+    import jax
+    import numpy as np
+
+    import orbax_lossy as ol
+    from orbax_lossy.format.manifest import read_manifest
+
+    root = os.path.join(out, "bundle_load_aware")
+    rules = [(r"moe/w$", 0)]
+
+    def pec():
+        return ol.PartialExperts(k=2, rules=rules, selection="load_aware")
+
+    mngr = ol.checkpoint_manager(root, partial_experts=pec(), policy=exact, max_to_keep=2)
+    rng = np.random.default_rng(7)
+    states = {}
+    for step in range(1, 5):
+        tokens = {g: rng.integers(0, 10, 8) for g in groups}
+        tokens[groups[1]][6] = 1000  # layer 1's expert 6 is the busiest
+        st = make(step)
+        mngr.save(step, args=ol.LossySave(st, expert_tokens=tokens))
+        mngr.wait_until_finished()
+        states[step] = _flatten_np(st)
+    mngr.close()
+    reports = {s: ol.partial_experts_report(os.path.join(root, str(s), "default"))
+               for s in range(2, 5)}
+    res: dict = {"held_rows": [[reports[s]["held"][g] for g in groups] for s in range(2, 5)]}
+    res["hot_held"] = all(6 in reports[s]["held"][groups[1]] for s in range(2, 5))
+    res["stored"] = sorted(e.name for e in read_manifest(os.path.join(root, "4", "default"))
+                           .leaves if e.name.endswith("/w"))
+    same = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        make(0))
+    got = _flatten_np(ol.checkpoint_manager(root, partial_experts=pec(), policy=exact).restore(
+        4, args=ol.LossyRestore(same)))
+    holders = reports[4]["expert_steps"]
+    res["oracle"] = "ok"
+    for name, value in got.items():
+        g = next((g for g in groups if f"/{g}/" in f"/{name}"), None)
+        for e in range(8) if g else ():
+            if not np.array_equal(value[e], states[holders[g][e]][name][e]):
+                res["oracle"] = f"{name}[{e}] != step {holders[g][e]}"
+        if g is None and not np.array_equal(value, states[4][name]):
+            res["oracle"] = f"{name} != step 4"
     return res
 
 

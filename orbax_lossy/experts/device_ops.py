@@ -22,10 +22,10 @@ Two programs, chosen per leaf and save:
   ``rows[r, 0]``'s ``[.., rows[r, 2] @ a, .., rows[r, 1] @ b, ..]``, shard-major and sharded
   like the members (expert mesh axes on the rows): again no collective, each shard cuts its
   own ``m`` slices. The rows are recorded in the PEC record.
-* **Gathered** (otherwise: K < P without enough layers to balance, an unbalanced load-aware
-  choice, an unsharded or single-device leaf): the slot keeps the leaf's sharding except along
-  the expert axis, which is replicated; with a sharded expert axis XLA moves the held rows
-  between devices.
+* **Gathered** (otherwise: K < P without enough layers to balance, a load-aware choice whose
+  shard quotas cannot be met, an unsharded or single-device leaf): the slot keeps the leaf's
+  sharding except along the expert axis, which is replicated; with a sharded expert axis XLA
+  moves the held rows between devices.
 """
 
 from __future__ import annotations

@@ -234,12 +234,18 @@ class PartialExperts(_RestoreSide):
         # 1. Tokens, then selection per (group, layer) row.
         held: dict[str, np.ndarray] = {}
         position = 0
+        striped: dict[tuple[int, int, int, str], list[Any]] = {}  # load-aware, K < P
         for g in layout.groups.values():
             c = st.counts[g.name]
             accounting.add_tokens(c, None if tokens is None else tokens.get(g.name), g.name)
             k = min(st.k, g.n)
             shards = _group_shards(g, leaves, k)
             stripes = 1 if shards > 1 else _group_stripes(g, leaves, k)
+            if not full and k < g.n and self.selection == "load_aware" and stripes > 1:
+                # a scanned group balances its own layers (one flat slot); single-layer groups
+                # with the same N balance together (their leaves are bundled)
+                striped.setdefault((g.n, k, stripes, g.name if g.layers > 1 else ""),
+                                   []).append(g)
             rows = []
             for layer in range(g.layers):
                 if full or k >= g.n:
@@ -252,6 +258,17 @@ class PartialExperts(_RestoreSide):
                                                      self.max_staleness, shards))
                 position += 1
             held[g.name] = np.asarray(rows, np.int64)
+        for (n, k, stripes, _), groups in striped.items():
+            # K < P: balance the shards over the rows of all these groups (else: per row)
+            counts = [st.counts[g.name] for g in groups]
+            joint = selection.load_aware_balanced(
+                n, k, [row for c in counts for row in c.unsaved],
+                [row for c in counts for row in c.age], self.max_staleness, stripes)
+            if joint is not None:
+                offset = 0
+                for g in groups:
+                    held[g.name] = np.asarray(joint[offset:offset + g.layers], np.int64)
+                    offset += g.layers
         if jax.process_count() > 1:  # every process follows the primary's selection
             from jax.experimental import multihost_utils
 

@@ -9,6 +9,9 @@ least once in every ``ceil(N / K)`` consecutive saves.
 
 Load-aware selection holds the top-K experts by unsaved tokens; ties go to the expert saved
 longest ago, then the lower id; an expert not held for ``max_staleness`` saves is held first.
+With ``K < P`` (:func:`load_aware_balanced`) the choice runs jointly over ``R`` rows (the
+layers of a scanned group, or the MoE layers of several groups with the same N) under a
+quota of ``R K / P`` held slices per shard, so that the flat cut stays shard-local.
 
 Expert-parallel shards (``shards = P > 1``, the number of shards the group's expert axis is split
 into, when ``P`` divides both N and K): both selections run per shard, ``K / P`` of each shard's
@@ -84,3 +87,45 @@ def load_aware(
         if e not in held:
             held.append(e)
     return sorted(held)
+
+
+def load_aware_balanced(
+    n: int, k: int, unsaved: Sequence[Sequence[int]], age: Sequence[Sequence[int]],
+    max_staleness: int | None, shards: int,
+) -> list[list[int]] | None:
+    """Load-aware choice for ``R`` rows at once (``unsaved[r][e]``, ``age[r][e]``) with every
+    shard holding exactly ``R K / P`` slices (``P = shards`` dividing ``n`` and ``R K``).
+
+    Greedy over all (row, expert) pairs: stale ones first (oldest first), then by unsaved
+    tokens (most first; ties: saved longest ago, then row, then id); a pair is taken while its
+    row has fewer than K and its shard fewer than its quota. Rows left short are completed
+    from shards with quota left (the fewest-tokens case). None when that is impossible (the
+    caller falls back to :func:`load_aware` per row).
+    """
+    rows = len(unsaved)
+    if shards <= 1 or n % shards or (rows * k) % shards or k > n:
+        return None
+    per, quota = n // shards, rows * k // shards
+    tokens = np.asarray(unsaved, np.int64)
+    ages = np.asarray(age, np.int64)
+    pairs = [(r, e) for r in range(rows) for e in range(n)]
+    stale = [] if max_staleness is None else sorted(
+        (p for p in pairs if ages[p] >= max_staleness),
+        key=lambda p: (-int(ages[p]), -int(tokens[p]), p[0], p[1]))
+    ranked = sorted(pairs, key=lambda p: (-int(tokens[p]), -int(ages[p]), p[0], p[1]))
+    held: list[list[int]] = [[] for _ in range(rows)]
+    used = [0] * shards
+    for r, e in stale + ranked:
+        if len(held[r]) < k and used[e // per] < quota and e not in held[r]:
+            held[r].append(e)
+            used[e // per] += 1
+    for r in range(rows):
+        for e in range(n):
+            if len(held[r]) >= k:
+                break
+            if used[e // per] < quota and e not in held[r]:
+                held[r].append(e)
+                used[e // per] += 1
+        if len(held[r]) < k:
+            return None
+    return [sorted(h) for h in held]
