@@ -302,23 +302,29 @@ def iter_jobs(req: SaveRequest, dispatched: Dispatched) -> Iterator[LeafJob]:
         out = encoded[position[i]]
         safe, rel_error, side, same = jax.device_get(
             (out["safe"], out["rel_error"], out["side"], out["same"]))
-        codec, fields = plan[i], out["fields"]
-        if not bool(safe):
-            # Non-finite input, delta or reconstruction, or a sign-breaking reconstruction
-            # (device.encode_tree): store this leaf exactly for this save (never garbage).
-            codec, side, rel_error, fields = Exact(), {}, 0.0, {"raw": out["recon"]}
+        codec = stored_codec(plan[i], bool(safe), bool(same))
         unit_axes = req.unit_axes.get(i, ())
-        if bool(same):  # an exact leaf that did not change: a zero run, no lossless coding
-            yield _leaf_job(req, i, Same(), {}, {"sym": grid.split_units(
-                [(box, np.zeros(d.shape, np.uint8)) for box, d in
-                 _replica0_shards(fields["raw"])], unit_axes)}, 0.0)
-            continue
-        shards = {
-            name: grid.split_units([(box, np.asarray(d)) for box, d in _replica0_shards(arr)],
-                                   unit_axes)
-            for name, arr in fields.items()
-        }
+        if codec is not plan[i]:
+            side, rel_error = {}, 0.0
+        if isinstance(codec, Same):  # a zero run, no lossless coding
+            fields = {"sym": [(box, np.zeros(d.shape, np.uint8))
+                              for box, d in _replica0_shards(out["fields"]["raw"])]}
+        else:
+            fields = {name: [(box, np.asarray(d)) for box, d in _replica0_shards(arr)]
+                      for name, arr in (out["fields"] if codec is plan[i]
+                                        else {"raw": out["recon"]}).items()}
+        shards = {name: grid.split_units(host, unit_axes) for name, host in fields.items()}
         yield _leaf_job(req, i, codec, side, shards, rel_error)
+
+
+def stored_codec(planned: Codec, safe: bool, same: bool) -> Codec:
+    """The codec a device leaf is stored with, from the encode program's flags: ``same`` for
+    an ``exact`` leaf bit-identical to its reference; ``exact`` when the planned codec's
+    output failed the guard (non-finite input, delta or reconstruction, or a sign-breaking
+    reconstruction: stored exactly for this save, never garbage); else the planned one."""
+    if same:
+        return Same()
+    return planned if safe else Exact()
 
 
 def save_stats(req: SaveRequest, dispatched: Dispatched) -> dict[str, Any]:
@@ -333,10 +339,9 @@ def save_stats(req: SaveRequest, dispatched: Dispatched) -> dict[str, Any]:
         err = 0.0
         if i in by_position:
             safe, rel_error, same = by_position[i]
-            if bool(same):
-                codec = Same()
-            elif bool(safe):
-                codec, err = dispatched.plan[i], float(rel_error)
+            codec = stored_codec(dispatched.plan[i], bool(safe), bool(same))
+            if codec is dispatched.plan[i]:
+                err = float(rel_error)
         leaves[path_str(path)] = {"codec": codec_config(codec)["id"], "rel_error": err}
     return {"kind": req.header.save_type, "leaves": leaves}
 
