@@ -12,6 +12,7 @@ from orbax_lossy.engine.restore import restore_item
 from orbax_lossy.errors import InvalidArgumentError
 from orbax_lossy.format.locate import resolve_item_dir
 from orbax_lossy.format.steps import abspath, exists
+from orbax_lossy.threads import available_cores
 
 
 def _plain(value: Any) -> Any:
@@ -44,7 +45,7 @@ def export_step(
     destination = abspath(destination)
     if exists(destination) and not overwrite:
         raise InvalidArgumentError(f"{destination} exists; pass overwrite=True to replace it")
-    tree = restore_item(item_dir, None, threads=min(4, os.cpu_count() or 1)).tree
+    tree = restore_item(item_dir, None, threads=available_cores()).tree
     tree = jax.tree_util.tree_map(_plain, tree)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(destination, tree, force=overwrite)

@@ -39,6 +39,7 @@ from orbax_lossy.format.manifest import DEFAULT_CHUNK_BYTES, read_manifest
 from orbax_lossy.format.steps import abspath, final_path
 from orbax_lossy.policy import LeafPolicy, Policy
 from orbax_lossy.policy.roles import leaf_roles
+from orbax_lossy.threads import available_cores
 from orbax_lossy.treepaths import empty_nodes
 
 TYPESTR = "orbax_lossy.LossyCheckpointHandler"
@@ -55,7 +56,8 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
       chunk_bytes: target size of a chunk of the fixed chunk grid (of the raw array).
       reference_on_host: keep the reference in host memory (single-process only).
       primary_host: the process that writes the manifest (as the manager's option).
-      encode_threads: threads for entropy coding in the background commit.
+      encode_threads: threads for entropy coding in the background commit and in restores
+        (default: every core this process may run on).
       unmanaged_deltas: take deltas even where no ChainPreservationPolicy keeps the steps they
         depend on (by default such saves are self-contained bases, with a one-time warning;
         see ``docs/retention.md``). Only when nothing deletes old steps.
@@ -81,7 +83,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         self.chunk_bytes = int(chunk_bytes)
         self.reference_on_host = reference_on_host
         self.primary_host = primary_host
-        self.encode_threads = encode_threads or os.cpu_count() or 1
+        self.encode_threads = encode_threads or available_cores()
         self.unmanaged_deltas = bool(unmanaged_deltas)
         self.partial_experts = partial_experts  # hooks: prepare_save, publish, restore
         self._roots = ProtectedRoots()

@@ -44,7 +44,6 @@ than a few bytes larger than the input.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 from collections.abc import Callable
 
@@ -55,6 +54,7 @@ from orbax_lossy.entropy import huffman
 from orbax_lossy.entropy.varint import encode_uvarint as _uvarint
 from orbax_lossy.entropy.varint import read_uvarint
 from orbax_lossy.errors import CodecError, FormatError, TruncatedError
+from orbax_lossy.threads import available_cores
 
 MODE_RAW = 0
 MODE_CONST = 1
@@ -99,7 +99,7 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            workers = max(1, min(4, os.cpu_count() or 1))
+            workers = available_cores()
             _POOL = concurrent.futures.ThreadPoolExecutor(workers, "orbax_lossy_entropy")
         return _POOL
 
