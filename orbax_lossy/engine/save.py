@@ -34,7 +34,7 @@ import numpy as np
 from orbax_lossy.codecs.base import Codec, codec_config
 from orbax_lossy.codecs.exact import Exact
 from orbax_lossy.codecs.same import Same
-from orbax_lossy.engine import device
+from orbax_lossy.engine import device, transfer
 from orbax_lossy.engine.reference import Reference, Signature, delta_signature
 from orbax_lossy.errors import FormatError, LossyError
 from orbax_lossy.format import envelope, grid, payload, steps
@@ -196,6 +196,8 @@ class Dispatched:
     plan: list[Codec]
     device_leaves: list[int]
     encoded: list[dict[str, Any]]
+    # per device leaf, its fields' replica-0 shards on their way to the host
+    copies: list[dict[str, list[tuple[grid.Box, transfer.HostCopy]]]]
 
 
 def dispatch_encode(req: SaveRequest) -> Dispatched:
@@ -238,11 +240,9 @@ def dispatch_encode(req: SaveRequest) -> Dispatched:
         plan=tuple(plan[i] for i in device_leaves),
         shardings=tuple(prepared[i].sharding for i in device_leaves),
     )
-    for out in encoded:
-        for arr in out["fields"].values():
-            for _, data in _replica0_shards(arr):
-                data.copy_to_host_async()
-    return Dispatched(plan, device_leaves, encoded)
+    copies = [{name: [(box, transfer.HostCopy(data)) for box, data in _replica0_shards(arr)]
+               for name, arr in out["fields"].items()} for out in encoded]
+    return Dispatched(plan, device_leaves, encoded, copies)
 
 
 def release_inputs(req: SaveRequest) -> None:
@@ -309,10 +309,11 @@ def iter_jobs(req: SaveRequest, dispatched: Dispatched) -> Iterator[LeafJob]:
         if isinstance(codec, Same):  # a zero run, no lossless coding
             fields = {"sym": [(box, np.zeros(d.shape, np.uint8))
                               for box, d in _replica0_shards(out["fields"]["raw"])]}
-        else:
-            fields = {name: [(box, np.asarray(d)) for box, d in _replica0_shards(arr)]
-                      for name, arr in (out["fields"] if codec is plan[i]
-                                        else {"raw": out["recon"]}).items()}
+        elif codec is plan[i]:
+            fields = {name: [(box, copy.result()) for box, copy in shards]
+                      for name, shards in dispatched.copies[position[i]].items()}
+        else:  # the guard failed: the exact value, which no copy was started for
+            fields = {"raw": [(box, np.asarray(d)) for box, d in _replica0_shards(out["recon"])]}
         shards = {name: grid.split_units(host, unit_axes) for name, host in fields.items()}
         yield _leaf_job(req, i, codec, side, shards, rel_error)
 
