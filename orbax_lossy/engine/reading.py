@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from orbax_lossy.engine import transfer
 from orbax_lossy.engine.targets import LeafTarget
 from orbax_lossy.errors import FormatError, InvalidArgumentError, LossyError
 from orbax_lossy.format import grid
@@ -222,7 +223,7 @@ def assemble_field(
         return read_region(reader, list(needed.values()), codec, field, dtype, region, cache,
                             where)
 
-    return jax.make_array_from_callback(shape, sharding, callback)
+    return transfer.upload(shape, dtype, sharding, callback)
 
 
 def read_regions(

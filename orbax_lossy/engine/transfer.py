@@ -1,4 +1,5 @@
-"""Device-to-host copies of a save's coded fields.
+"""Copies of coded fields between the device and the host (a save's results, a restore's
+decoded symbols).
 
 On the CPU backend a field's buffer already lives in host memory: ``copy_to_host_async`` and
 ``np.asarray`` hand it over. On an accelerator two things make the copy faster (measured on
@@ -10,13 +11,18 @@ GB/s but uint8 at about 1.1 GB/s; a put to ``pinned_host`` memory moves about 3 
 * the copy goes to pinned host memory (``memory_kind="pinned_host"``, as Orbax's own
   device-to-host path does) where the device has it, else through ``copy_to_host_async``.
 
+A restore uploads decoded uint8 symbol fields the same way, as uint32 words bitcast back on
+the device (:func:`upload`), when every shard's slice of the last axis is whole words.
+
 ``ORBAX_LOSSY_TRANSFER=plain`` turns both off (to compare, or if a backend misbehaves).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -82,3 +88,62 @@ class HostCopy:
         if host.dtype != self.dtype:  # packed words: the same bytes, viewed back
             host = np.ascontiguousarray(host).view(self.dtype).reshape(self.shape)
         return host
+
+
+def _packed_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """A shard's index into the words array, as an index into the byte array."""
+    *lead, last = index
+    start, stop, _ = last.indices(shape[-1] // 4)
+    return (*lead, slice(4 * start, 4 * stop))
+
+
+def _uploads_words(shape: tuple[int, ...], dtype: np.dtype,
+                   sharding: jax.sharding.Sharding) -> bool:
+    if (np.dtype(dtype) != np.uint8 or not shape or shape[-1] % 4 or not math.prod(shape)
+            or math.prod(shape) < MIN_PACKED_BYTES):
+        return False
+    if not _accelerated(next(iter(sharding.device_set))):
+        return False
+    words = (*shape[:-1], shape[-1] // 4)
+    try:  # every shard of the words array must be exactly a shard of the bytes
+        by_bytes = sharding.addressable_devices_indices_map(shape)
+        by_words = sharding.addressable_devices_indices_map(words)
+    except Exception:
+        return False
+    def bounds(index: tuple[slice, ...] | None, dims: tuple[int, ...]) -> tuple:
+        index = index or tuple(slice(None) for _ in dims)
+        return tuple(s.indices(n)[:2] for s, n in zip(index, dims, strict=True))
+
+    for device, index in by_words.items():
+        if device not in by_bytes:
+            return False
+        *lead, (start, stop) = bounds(index, words)
+        if (*lead, (4 * start, 4 * stop)) != bounds(by_bytes[device], shape):
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _unpack_words(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> Any:
+    def unpack(words: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(shape)
+
+    return jax.jit(unpack, out_shardings=sharding)
+
+
+def upload(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding,
+           callback: Callable[[tuple[slice, ...] | None], np.ndarray]) -> jax.Array:
+    """``jax.make_array_from_callback(shape, sharding, callback)``, for uint8 fields on an
+    accelerator through uint32 words (the same bytes, unpacked on the device)."""
+    if not _uploads_words(tuple(shape), np.dtype(dtype), sharding):
+        return jax.make_array_from_callback(shape, sharding, callback)
+    shape = tuple(shape)
+    words_shape = (*shape[:-1], shape[-1] // 4)
+
+    def words(index: tuple[slice, ...] | None) -> np.ndarray:
+        full = index or tuple(slice(None) for _ in words_shape)
+        host = np.ascontiguousarray(callback(_packed_index(full, shape)))
+        return host.view(np.uint32)
+
+    return _unpack_words(shape, sharding)(
+        jax.make_array_from_callback(words_shape, sharding, words))
