@@ -11,7 +11,9 @@ report an integer status instead of raising.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from orbax_lossy.entropy._core_kernels import STATUS_BAD_CODE as STATUS_BAD_CODE
 from orbax_lossy.entropy._core_kernels import STATUS_OK as STATUS_OK
@@ -288,6 +290,274 @@ def tuple_decode_multi(
         status = _block_status(offsets[b], end, pos, nbits)
         if status != STATUS_OK:
             return status
+    return STATUS_OK
+
+
+# ------------------------------------------------------------- byte-table tuple decoding
+# ``tuple_decode_bytes`` replaces the per-code output loops by one lookup per window that
+# yields the window's whole output bytes (up to BYTE_TABLE_MAX), written with two unaligned
+# 8-byte stores, and refills its bit buffer with one unaligned 8-byte load. Both need a
+# little-endian host (the Python wrapper falls back to ``tuple_decode`` elsewhere).
+
+
+@intrinsic
+def _load_be64(typingctx, arr, idx):
+    """``arr[idx:idx+8]`` (uint8, caller guarantees in bounds) as a big-endian uint64."""
+
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.bitcast(builder.gep(a.data, [args[1]]), ir.IntType(64).as_pointer())
+        return builder.bswap(builder.load(ptr, align=1))
+
+    return types.uint64(arr, idx), codegen
+
+
+@intrinsic
+def _store_u64(typingctx, arr, idx, val):
+    """Store ``val`` in native byte order at ``arr[idx:idx+8]`` (caller guarantees in bounds)."""
+
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.bitcast(builder.gep(a.data, [args[1]]), ir.IntType(64).as_pointer())
+        builder.store(args[2], ptr, align=1)
+        return context.get_dummy_value()
+
+    return types.void(arr, idx, val), codegen
+
+
+@intrinsic
+def _copy16(typingctx, dst, o, src, i):
+    """``dst[o:o+16] = src[i:i+16]`` (uint8 arrays, caller guarantees in bounds), one
+    unaligned 16-byte load and store."""
+
+    def codegen(context, builder, sig, args):
+        vec = ir.VectorType(ir.IntType(8), 16).as_pointer()
+        d = context.make_array(sig.args[0])(context, builder, args[0])
+        s = context.make_array(sig.args[2])(context, builder, args[2])
+        src_ptr = builder.bitcast(builder.gep(s.data, [args[3]]), vec)
+        dst_ptr = builder.bitcast(builder.gep(d.data, [args[1]]), vec)
+        builder.store(builder.load(src_ptr, align=1), dst_ptr, align=1)
+        return context.get_dummy_value()
+
+    return types.void(dst, o, src, i), codegen
+
+
+#: window bits of the byte table of ``tuple_decode_bytes``
+BYTE_TABLE_BITS = 12
+#: the most output bytes one byte-table entry holds (two 8-byte stores)
+BYTE_TABLE_MAX = 16
+
+
+@njit(nogil=True, cache=True)
+def byte_table(lut: np.ndarray, lut_bits: int, expand: np.ndarray, window_bits: int):
+    """Per ``window_bits``-bit window: the output bytes of the whole codes it starts with
+    (greedy, at most ``BYTE_TABLE_MAX`` bytes), as ``info[v] = bits_used | n_bytes << 8``
+    and ``obytes[v * BYTE_TABLE_MAX:]``.
+
+    A window whose first code is longer than the window (or no code) gets ``info`` 0 and the
+    decoder falls back to one ``lut`` lookup; so the table changes speed, never the result.
+    """
+    k = expand.shape[1]
+    size = 1 << window_bits
+    info = np.zeros(size, np.uint16)
+    obytes = np.zeros(size * BYTE_TABLE_MAX, np.uint8)
+    mask = size - 1
+    for v in range(size):
+        used = 0
+        nb = 0
+        base = v * BYTE_TABLE_MAX
+        while nb + k <= BYTE_TABLE_MAX:
+            rest = window_bits - used
+            if rest <= 0:
+                break
+            window = (v << used) & mask
+            if lut_bits <= window_bits:
+                peek = window >> (window_bits - lut_bits)
+            else:
+                peek = window << (lut_bits - window_bits)
+            e = lut[peek]
+            ln = e & 15
+            if ln == 0 or ln > rest:
+                break
+            s = e >> 4
+            for j in range(k):
+                obytes[base + nb + j] = expand[s, j]
+            nb += k
+            used += ln
+        if nb > 0:
+            info[v] = used | (nb << 8)
+    return info, obytes
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _bytes_safe_steps(pos, end, o, oend):
+    """Lookups that are safe after one checked lookup: each writes <= BYTE_TABLE_MAX bytes
+    and, with >= 41 valid bits left (a lookup uses <= 15), refills <= 2 bytes."""
+    return min((end - 8 - pos) // 2 + 1, (oend - o) // BYTE_TABLE_MAX)
+
+
+# The lookup step below is written out in each loop of tuple_decode_bytes: a helper taking
+# the arrays (numba inlining) leaves reference count calls in the loop, 4x slower.
+#
+#   buf |= _load_be64(data, pos) >> np.uint64(nbits)     (56..63 valid bits after this)
+#   pos += (63 - nbits) >> 3
+#   nbits |= 56
+#   e = info[buf >> wshift]
+#   if e == 0: one code with lut (first code longer than the window), or, at a bit pattern
+#              that is no code, nothing at all: the state stays just before it, the loop
+#              sees a round without output and leaves the report to the exact path
+#   else: copy 16 table bytes, advance by the entry's byte count and bits
+
+
+@njit(nogil=True, cache=True)
+def tuple_decode_bytes(
+    data: np.ndarray,
+    offsets: np.ndarray,
+    lut: np.ndarray,
+    lut_bits: int,
+    info: np.ndarray,
+    obytes: np.ndarray,
+    window_bits: int,
+    expand: np.ndarray,
+    units_per_block: int,
+    total_units: int,
+    out: np.ndarray,
+    b0: int,
+    b1: int,
+) -> int:
+    """``tuple_decode`` with one ``byte_table`` lookup per window; bit-identical output and
+    statuses.
+
+    Lookups run while 8 input bytes remain in the block (branch-free refill: the bit buffer
+    keeps 56..63 valid bits, the bits below them are the stream's next bits, so the
+    byte-wise refill of the exact tail ORs in the same values) and ``BYTE_TABLE_MAX``
+    output bytes remain in the block (so blocks decoded by other threads are never
+    touched); the rest of a block is decoded code by code as in ``tuple_decode``. Blocks
+    are decoded two at a time, their lookups interleaved to overlap the two dependency
+    chains; a block stuck at a bad code stops the pair, and the blocks are finished in
+    order, so the first failing block decides the status as before.
+    """
+    k = expand.shape[1]
+    shift = np.uint64(64 - lut_bits)
+    wshift = np.uint64(64 - window_bits)
+    # per block: start, end, reader state (pos, buf, nbits), output position and end
+    st = np.zeros((2, 4), np.int64)
+    bufs = np.zeros(2, np.uint64)
+    b = b0
+    while b < b1:
+        pair = 2 if b + 1 < b1 else 1
+        for i in range(pair):
+            u0 = (b + i) * units_per_block
+            st[i, 0] = offsets[b + i]
+            st[i, 1] = 0
+            st[i, 2] = u0 * k
+            st[i, 3] = (u0 + min(units_per_block, total_units - u0)) * k
+            bufs[i] = 0
+        if pair == 2:
+            e1 = offsets[b + 1]
+            e2 = offsets[b + 2]
+            p1 = st[0, 0]
+            n1 = 0
+            o1 = st[0, 2]
+            f1 = st[0, 3]
+            buf1 = np.uint64(0)
+            p2 = st[1, 0]
+            n2 = 0
+            o2 = st[1, 2]
+            f2 = st[1, 3]
+            buf2 = np.uint64(0)
+            steps = 1  # the first lookups refill up to 8 bytes: one checked lookup
+            while (p1 + 8 <= e1 and o1 + BYTE_TABLE_MAX <= f1 and p2 + 8 <= e2
+                   and o2 + BYTE_TABLE_MAX <= f2):
+                r1 = o1
+                r2 = o2
+                for _ in range(steps):
+                    buf1 |= _load_be64(data, p1) >> np.uint64(n1)
+                    p1 += (63 - n1) >> 3
+                    n1 |= 56
+                    v = buf1 >> wshift
+                    e = np.int64(info[v])
+                    if e != 0:
+                        _copy16(out, o1, obytes, v * BYTE_TABLE_MAX)
+                        ln = e & 255
+                        o1 += e >> 8
+                    else:
+                        e = lut[buf1 >> shift]
+                        ln = e & 15
+                        if ln != 0:
+                            for j in range(k):
+                                out[o1 + j] = expand[e >> 4, j]
+                            o1 += k
+                    buf1 <<= np.uint64(ln)
+                    n1 -= ln
+                    buf2 |= _load_be64(data, p2) >> np.uint64(n2)
+                    p2 += (63 - n2) >> 3
+                    n2 |= 56
+                    v = buf2 >> wshift
+                    e = np.int64(info[v])
+                    if e != 0:
+                        _copy16(out, o2, obytes, v * BYTE_TABLE_MAX)
+                        ln = e & 255
+                        o2 += e >> 8
+                    else:
+                        e = lut[buf2 >> shift]
+                        ln = e & 15
+                        if ln != 0:
+                            for j in range(k):
+                                out[o2 + j] = expand[e >> 4, j]
+                            o2 += k
+                    buf2 <<= np.uint64(ln)
+                    n2 -= ln
+                if o1 == r1 or o2 == r2:  # one is stuck at a bit pattern that is no code
+                    break
+                steps = min(_bytes_safe_steps(p1, e1, o1, f1), _bytes_safe_steps(p2, e2, o2, f2))
+            st[0, 0] = p1
+            st[0, 1] = n1
+            st[0, 2] = o1
+            bufs[0] = buf1
+            st[1, 0] = p2
+            st[1, 1] = n2
+            st[1, 2] = o2
+            bufs[1] = buf2
+        for i in range(pair):  # finish the blocks in order, each on its own
+            end = offsets[b + i + 1]
+            pos = st[i, 0]
+            nbits = st[i, 1]
+            o = st[i, 2]
+            oend = st[i, 3]
+            buf = bufs[i]
+            while pos + 8 <= end and o + BYTE_TABLE_MAX <= oend:
+                steps = 1 if nbits < 41 else _bytes_safe_steps(pos, end, o, oend)
+                r = o
+                for _ in range(steps):
+                    buf |= _load_be64(data, pos) >> np.uint64(nbits)
+                    pos += (63 - nbits) >> 3
+                    nbits |= 56
+                    v = buf >> wshift
+                    e = np.int64(info[v])
+                    if e != 0:
+                        _copy16(out, o, obytes, v * BYTE_TABLE_MAX)
+                        ln = e & 255
+                        o += e >> 8
+                    else:
+                        e = lut[buf >> shift]
+                        ln = e & 15
+                        if ln != 0:
+                            for j in range(k):
+                                out[o + j] = expand[e >> 4, j]
+                            o += k
+                    buf <<= np.uint64(ln)
+                    nbits -= ln
+                if o == r:  # stuck at a bit pattern that is no code
+                    break
+            ok, pos, buf, nbits, o = _decode_codes(data, pos, end, buf, nbits, lut, shift,
+                                                   expand, out, o, (oend - o) // k)
+            if not ok:
+                return STATUS_BAD_CODE
+            status = _block_status(offsets[b + i], end, pos, nbits)
+            if status != STATUS_OK:
+                return status
+        b += pair
     return STATUS_OK
 
 

@@ -44,6 +44,7 @@ than a few bytes larger than the input.
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import threading
 from collections.abc import Callable
 
@@ -73,6 +74,9 @@ ZRUN_MIN_PROB = 0.5
 TUPLE_TRY_RATIO = 1.005
 #: streams with at least this many blocks are decoded on the thread pool
 PARALLEL_MIN_BLOCKS = 4
+
+#: the byte-table decoder's unaligned 8-byte loads and stores assume a little-endian host
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
@@ -332,7 +336,15 @@ def _decode_tuple(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
         digits //= m
     out = np.empty(total_units * k, np.uint8)
 
-    if _implied_mean_length(lens) <= K.MULTI_BITS / 2:  # >= 2 codes per lookup expected
+    if _LITTLE_ENDIAN:
+        info, obytes = K.byte_table(lut, lut_bits, expand, K.BYTE_TABLE_BITS)
+        words = obytes
+
+        def kernel(b0: int, b1: int) -> int:
+            return K.tuple_decode_bytes(buf, offsets, lut, lut_bits, info, words,
+                                        K.BYTE_TABLE_BITS, expand, units, total_units, out,
+                                        b0, b1)
+    elif _implied_mean_length(lens) <= K.MULTI_BITS / 2:  # >= 2 codes per lookup expected
         counts, used_bits, codes = K.multi_code_table(lut, lut_bits)
 
         def kernel(b0: int, b1: int) -> int:
