@@ -105,11 +105,31 @@ def test_long_codes_and_large_tuples(monkeypatch) -> None:
 
 def test_zrun_streams(monkeypatch) -> None:
     rng = np.random.default_rng(3)
-    for n in [1, 50, BLOCK - 1, BLOCK, BLOCK + 5, 3 * BLOCK + 17]:
-        sym = np.where(rng.random(n) < 0.9, 0, rng.integers(1, 9, n)).astype(np.uint8)
-        sym[: n // 3] = 0
+    for n in [1, 50, BLOCK - 1, BLOCK, BLOCK + 5, 3 * BLOCK + 17, 5 * BLOCK]:
+        for p in [0.5, 0.9, 0.999]:
+            sym = np.where(rng.random(n) < p, 0, rng.integers(1, 9, n)).astype(np.uint8)
+            sym[: n // 3] = 0
+            sym[n - n // 5 :] = 0  # long runs up to the block ends
+            if n > 100:
+                sym[BLOCK - 20 : BLOCK - 3] = 5
+            data = _zrun_stream(sym)
+            assert _same(data, n, monkeypatch) == ("ok", sym.tobytes())
+            assert _same(data, n, monkeypatch, pool=True) == ("ok", sym.tobytes())
+
+
+def test_damaged_zrun_streams_fail_like_the_reference(monkeypatch) -> None:
+    rng = np.random.default_rng(31)
+    for n, p in [(300, 0.9), (BLOCK + 40, 0.95), (3 * BLOCK, 0.99), (2 * BLOCK, 0.6)]:
+        sym = np.where(rng.random(n) < p, 3, rng.integers(0, 12, n)).astype(np.uint8)
         data = _zrun_stream(sym)
         assert _same(data, n, monkeypatch) == ("ok", sym.tobytes())
+        seen = set()
+        for _ in range(40):
+            bad = _damaged(data, rng)
+            result = _same(bad, n, monkeypatch)
+            assert _same(bad, n, monkeypatch, pool=True) == result
+            seen.add(result[1] if result[0] != "ok" else "ok")
+        assert len(seen) >= 2
 
 
 def _damaged(data: bytes, rng: np.random.Generator) -> bytes:
@@ -250,6 +270,11 @@ def test_byte_table_matches_greedy_codes() -> None:
             digits //= used.size
         w = K.BYTE_TABLE_BITS
         info, obytes = K.byte_table(lut, bits, expand, w)
+        tables = K.tuple_tables(lens, used.astype(np.int64), k, w)
+        assert tables[1] == bits
+        for got, want in zip(tables[:1] + tables[2:], (lut, expand, info, obytes), strict=True):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
         for v in rng.integers(0, 1 << w, 300):
             used_bits, nbytes, out = 0, 0, []
             while True:

@@ -342,6 +342,24 @@ def _copy16(typingctx, dst, o, src, i):
     return types.void(dst, o, src, i), codegen
 
 
+@intrinsic
+def _fill16(typingctx, dst, o, val):
+    """``dst[o:o+16] = val`` (uint8 array, caller guarantees in bounds), one 16-byte store."""
+
+    def codegen(context, builder, sig, args):
+        i8 = ir.IntType(8)
+        byte = builder.trunc(args[2], i8) if args[2].type.width > 8 else args[2]
+        vec = ir.Constant(ir.VectorType(i8, 16), None)
+        for j in range(16):
+            vec = builder.insert_element(vec, byte, ir.Constant(ir.IntType(32), j))
+        d = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.bitcast(builder.gep(d.data, [args[1]]), vec.type.as_pointer())
+        builder.store(vec, ptr, align=1)
+        return context.get_dummy_value()
+
+    return types.void(dst, o, val), codegen
+
+
 #: window bits of the byte table of ``tuple_decode_bytes``
 BYTE_TABLE_BITS = 12
 #: the most output bytes one byte-table entry holds (two 8-byte stores)
@@ -362,10 +380,19 @@ def byte_table(lut: np.ndarray, lut_bits: int, expand: np.ndarray, window_bits: 
     info = np.zeros(size, np.uint16)
     obytes = np.zeros(size * BYTE_TABLE_MAX, np.uint8)
     mask = size - 1
+    # the k <= 8 bytes of each super-symbol as one native-order word (byte j at address j)
+    alpha = expand.shape[0]
+    packed = np.zeros(alpha, np.uint64)
+    if k <= 8:
+        for s in range(alpha):
+            for j in range(k):
+                packed.view(np.uint8)[8 * s + j] = expand[s, j]
     for v in range(size):
         used = 0
         nb = 0
         base = v * BYTE_TABLE_MAX
+        lo = np.uint64(0)
+        hi = np.uint64(0)
         while nb + k <= BYTE_TABLE_MAX:
             rest = window_bits - used
             if rest <= 0:
@@ -380,13 +407,73 @@ def byte_table(lut: np.ndarray, lut_bits: int, expand: np.ndarray, window_bits: 
             if ln == 0 or ln > rest:
                 break
             s = e >> 4
-            for j in range(k):
-                obytes[base + nb + j] = expand[s, j]
+            if k <= 8:
+                w = packed[s]
+                if nb < 8:
+                    lo |= w << np.uint64(8 * nb)
+                    if nb + k > 8:
+                        hi |= w >> np.uint64(8 * (8 - nb))
+                else:
+                    hi |= w << np.uint64(8 * (nb - 8))
+            else:
+                for j in range(k):
+                    obytes[base + nb + j] = expand[s, j]
             nb += k
             used += ln
+        if k <= 8:
+            _store_u64(obytes, base, lo)
+            _store_u64(obytes, base + 8, hi)
         if nb > 0:
             info[v] = used | (nb << 8)
     return info, obytes
+
+
+@njit(nogil=True, cache=True)
+def tuple_tables(lens: np.ndarray, used: np.ndarray, k: int, window_bits: int):
+    """Everything ``tuple_decode_bytes`` needs from a TUPLE stream's header, in one call:
+    ``(lut, lut_bits, expand, info, obytes)``; ``lut, lut_bits`` equal
+    ``huffman.decode_table(lens)`` (``lens`` as read by ``huffman.deserialize_lengths``,
+    so in range and not over-subscribed), ``expand`` the output bytes of each super-symbol
+    and ``info, obytes`` the ``byte_table``."""
+    alpha = lens.size
+    m = used.size
+    bits = 0
+    for s in range(alpha):
+        bits = max(bits, np.int64(lens[s]))
+    if bits == 0:
+        bits = 1
+    # canonical order (length, symbol): each length's entries start after the shorter ones
+    count = np.zeros(16, np.int64)
+    for s in range(alpha):
+        count[lens[s]] += 1
+    nxt = np.zeros(16, np.int64)
+    p = 0
+    for ln in range(1, 16):
+        nxt[ln] = p
+        if ln <= bits:
+            p += count[ln] << (bits - ln)
+    lut = np.zeros(1 << bits, np.int32)
+    for s in range(alpha):
+        ln = np.int64(lens[s])
+        if ln:
+            e = np.int32((s << 4) | ln)
+            q = nxt[ln]
+            lut[q : q + (1 << (bits - ln))] = e
+            nxt[ln] = q + (1 << (bits - ln))
+    expand = np.empty((alpha, k), np.uint8)
+    digits = np.zeros(k, np.int64)  # of s, base m, counted up (no divisions)
+    for s in range(alpha):
+        for j in range(k):
+            expand[s, j] = used[digits[j]]
+        j = k - 1
+        while j >= 0:
+            digits[j] += 1
+            if digits[j] < m:
+                break
+            digits[j] = 0
+            j -= 1
+    info, obytes = byte_table(lut, bits, expand, window_bits)
+    return lut, bits, expand, info, obytes
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -683,6 +770,98 @@ def zrun_decode(
             if ln == 0:
                 return STATUS_BAD_CODE
             out[o] = np.uint8(lit)
+            o += 1
+        status = _block_status(offsets[b], end, pos, nbits)
+        if status != STATUS_OK:
+            return status
+    return STATUS_OK
+
+
+@njit(nogil=True, cache=True)
+def zrun_decode_fast(
+    data: np.ndarray,
+    zsym: int,
+    offsets: np.ndarray,
+    rlut: np.ndarray,
+    rbits: int,
+    run_base: np.ndarray,
+    run_extra: np.ndarray,
+    llut: np.ndarray,
+    lbits: int,
+    block: int,
+    n: int,
+    out: np.ndarray,
+    b0: int,
+    b1: int,
+) -> int:
+    """``zrun_decode`` with the branch-free 8-byte refill of ``tuple_decode_bytes`` while 8
+    input bytes remain in the block, and runs written 16 bytes at a time while the block's
+    output has room (bytes past the run are overwritten by what follows); bit-identical
+    output and statuses."""
+    rshift = np.uint64(64 - rbits)
+    lshift = np.uint64(64 - lbits)
+    z = np.uint8(zsym)
+    for b in range(b0, b1):
+        pos = offsets[b]
+        end = offsets[b + 1]
+        o = b * block
+        oend = min(o + block, n)
+        buf = np.uint64(0)
+        nbits = 0
+        while o < oend:
+            if pos + 8 <= end:
+                buf |= _load_be64(data, pos) >> np.uint64(nbits)
+                pos += (63 - nbits) >> 3
+                nbits |= 56
+            else:
+                while nbits <= 56:
+                    byte = data[pos] if pos < end else 0
+                    buf |= np.uint64(byte) << np.uint64(56 - nbits)
+                    pos += 1
+                    nbits += 8
+            e = rlut[buf >> rshift]
+            ln = e & 15
+            if ln == 0:
+                return STATUS_BAD_CODE
+            buf <<= np.uint64(ln)
+            nbits -= ln
+            c = e >> 4
+            r = run_base[c]
+            x = run_extra[c]
+            if x > 0:  # >= 41 valid bits left
+                r += np.int64(buf >> np.uint64(64 - x))
+                buf <<= np.uint64(x)
+                nbits -= x
+            if r > oend - o:
+                return STATUS_RUN_TOO_LONG
+            if o + r + 16 <= oend:
+                j = o
+                while j < o + r:
+                    _fill16(out, j, z)
+                    j += 16
+            else:
+                for j in range(o, o + r):
+                    out[j] = z
+            o += r
+            if o == oend:
+                break
+            if pos + 8 <= end:
+                buf |= _load_be64(data, pos) >> np.uint64(nbits)
+                pos += (63 - nbits) >> 3
+                nbits |= 56
+            else:
+                while nbits <= 56:
+                    byte = data[pos] if pos < end else 0
+                    buf |= np.uint64(byte) << np.uint64(56 - nbits)
+                    pos += 1
+                    nbits += 8
+            e = llut[buf >> lshift]
+            ln = e & 15
+            if ln == 0:
+                return STATUS_BAD_CODE
+            buf <<= np.uint64(ln)
+            nbits -= ln
+            out[o] = np.uint8(e >> 4)
             o += 1
         status = _block_status(offsets[b], end, pos, nbits)
         if status != STATUS_OK:

@@ -326,25 +326,28 @@ def _decode_tuple(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
         raise FormatError(f"invalid tuple length {k} for {m} symbols")
     alpha = m**k
     lens, pos = huffman.deserialize_lengths(buf, pos, alpha)
-    lut, lut_bits = huffman.decode_table(lens)
     total_units = _ceil_div(n, k)
     units, offsets = _read_blocks(buf, pos, total_units)
+    out = np.empty(total_units * k, np.uint8)
+
+    if _LITTLE_ENDIAN:  # the lengths are valid (deserialize_lengths), so no checks here
+        lut, lut_bits, expand, info, obytes = K.tuple_tables(lens, used, k, K.BYTE_TABLE_BITS)
+
+        def kernel(b0: int, b1: int) -> int:
+            return K.tuple_decode_bytes(buf, offsets, lut, lut_bits, info, obytes,
+                                        K.BYTE_TABLE_BITS, expand, units, total_units, out,
+                                        b0, b1)
+
+        _run_blocks(kernel, offsets.size - 1)
+        return out[:n]
+
+    lut, lut_bits = huffman.decode_table(lens)
     digits = np.arange(alpha, dtype=np.int64)
     expand = np.empty((alpha, k), np.uint8)
     for j in range(k - 1, -1, -1):
         expand[:, j] = used[digits % m]
         digits //= m
-    out = np.empty(total_units * k, np.uint8)
-
-    if _LITTLE_ENDIAN:
-        info, obytes = K.byte_table(lut, lut_bits, expand, K.BYTE_TABLE_BITS)
-        words = obytes
-
-        def kernel(b0: int, b1: int) -> int:
-            return K.tuple_decode_bytes(buf, offsets, lut, lut_bits, info, words,
-                                        K.BYTE_TABLE_BITS, expand, units, total_units, out,
-                                        b0, b1)
-    elif _implied_mean_length(lens) <= K.MULTI_BITS / 2:  # >= 2 codes per lookup expected
+    if _implied_mean_length(lens) <= K.MULTI_BITS / 2:  # >= 2 codes per lookup expected
         counts, used_bits, codes = K.multi_code_table(lut, lut_bits)
 
         def kernel(b0: int, b1: int) -> int:
@@ -371,8 +374,10 @@ def _decode_zrun(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
     block, offsets = _read_blocks(buf, pos, n)
     out = np.empty(n, np.uint8)
 
+    decode = K.zrun_decode_fast if _LITTLE_ENDIAN else K.zrun_decode
+
     def kernel(b0: int, b1: int) -> int:
-        return K.zrun_decode(
+        return decode(
             buf, zsym, offsets, rlut, rbits, K.RUN_BASE, K.RUN_EXTRA, llut, lbits, block, n,
             out, b0, b1,
         )  # fmt: skip
