@@ -553,12 +553,12 @@ def tuple_decode_bytes(
             o2 = st[1, 2]
             f2 = st[1, 3]
             buf2 = np.uint64(0)
-            # two lookups per refill: after it the buffer holds 64 stream bits (the valid
-            # ones and the next ones), two lookups read <= 30 of them and leave >= 26 valid
-            # bits, so a refill advances <= 4 bytes; a double step writes <= 2 entries
-            steps = 1  # the first refill advances up to 7 bytes: one checked double step
-            while (p1 + 8 <= e1 and o1 + 2 * BYTE_TABLE_MAX <= f1 and p2 + 8 <= e2
-                   and o2 + 2 * BYTE_TABLE_MAX <= f2):
+            # three lookups per refill: after it the buffer holds 64 stream bits (the valid
+            # ones and the next ones), three lookups read <= 45 of them and leave >= 11
+            # valid bits, so a refill advances <= 6 bytes; a triple step writes <= 3 entries
+            steps = 1  # the first refill advances up to 7 bytes: one checked triple step
+            while (p1 + 8 <= e1 and o1 + 3 * BYTE_TABLE_MAX <= f1 and p2 + 8 <= e2
+                   and o2 + 3 * BYTE_TABLE_MAX <= f2):
                 r1 = o1
                 r2 = o2
                 for _ in range(steps):
@@ -628,10 +628,40 @@ def tuple_decode_bytes(
                             o2 += k
                     buf2 <<= np.uint64(ln)
                     n2 -= ln
+                    v = buf1 >> wshift
+                    e = np.int64(info[v])
+                    if e != 0:
+                        _copy16(out, o1, obytes, v * BYTE_TABLE_MAX)
+                        ln = e & 255
+                        o1 += e >> 8
+                    else:
+                        e = lut[buf1 >> shift]
+                        ln = e & 15
+                        if ln != 0:
+                            for j in range(k):
+                                out[o1 + j] = expand[e >> 4, j]
+                            o1 += k
+                    buf1 <<= np.uint64(ln)
+                    n1 -= ln
+                    v = buf2 >> wshift
+                    e = np.int64(info[v])
+                    if e != 0:
+                        _copy16(out, o2, obytes, v * BYTE_TABLE_MAX)
+                        ln = e & 255
+                        o2 += e >> 8
+                    else:
+                        e = lut[buf2 >> shift]
+                        ln = e & 15
+                        if ln != 0:
+                            for j in range(k):
+                                out[o2 + j] = expand[e >> 4, j]
+                            o2 += k
+                    buf2 <<= np.uint64(ln)
+                    n2 -= ln
                 if o1 == r1 or o2 == r2:  # one is stuck at a bit pattern that is no code
                     break
-                steps = min((e1 - 8 - p1) // 4 + 1, (f1 - o1) // (2 * BYTE_TABLE_MAX),
-                            (e2 - 8 - p2) // 4 + 1, (f2 - o2) // (2 * BYTE_TABLE_MAX))
+                steps = min((e1 - 8 - p1) // 6 + 1, (f1 - o1) // (3 * BYTE_TABLE_MAX),
+                            (e2 - 8 - p2) // 6 + 1, (f2 - o2) // (3 * BYTE_TABLE_MAX))
             st[0, 0] = p1
             st[0, 1] = n1
             st[0, 2] = o1
