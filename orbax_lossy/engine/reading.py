@@ -182,9 +182,6 @@ def piece_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
         return pool
 
 
-Started = dict[tuple[str, int], concurrent.futures.Future]
-
-
 def needed_pieces(pieces, regions) -> dict[tuple[str, int], Any]:
     """The pieces overlapping any of ``regions``, by (file, offset)."""
     return {(p.file, p.offset): p for p in pieces
@@ -197,33 +194,96 @@ def shard_regions(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> se
             for idx in sharding.addressable_devices_indices_map(shape).values()}
 
 
-def start_decoding(reader, needed, codec, field, dtype, where, threads) -> Started:
-    """Submit the decoding of every needed piece to :func:`piece_pool` (nothing for a single
-    piece or one thread: it is decoded where it is used)."""
-    if len(needed) <= 1 or threads <= 1:
-        return {}
-    pool = piece_pool(threads)
-    return {key: pool.submit(decode_piece, reader, p, codec, field, dtype, where)
-            for key, p in needed.items()}
+class FieldRead:
+    """One field's needed pieces, decoded straight into the host arrays of its shards'
+    regions: each piece's decoding task also copies it into the regions it overlaps (on the
+    decoding thread, not serially while the array is built), and a region that is exactly one
+    piece takes the decoded piece itself. Raises FormatError at once unless the pieces cover
+    every region."""
+
+    def __init__(self, reader, pieces, codec, field, dtype, regions, where) -> None:
+        self.where = where
+        needed = needed_pieces([p for p in pieces if p.field == field], regions)
+        self._source = (reader, codec, field, np.dtype(dtype))
+        self.arrays: dict[grid.Box, np.ndarray | None] = {}
+        self._tasks: list[tuple[Any, list[grid.Box]]] = []
+        for region in regions:
+            covered = sum(math.prod(grid.box_shape(inter)) for p in needed.values()
+                          if (inter := grid.intersect(p.box, region)) is not None)
+            if covered != math.prod(grid.box_shape(region)):
+                raise FormatError(f"{where}: field {field!r} region {region} is not fully "
+                                  "stored")
+            whole = [p for p in needed.values() if tuple(map(tuple, p.box)) == region]
+            self.arrays[region] = None if whole else np.empty(grid.box_shape(region), dtype)
+        for p in needed.values():
+            self._tasks.append((p, [r for r in regions if grid.intersect(p.box, r) is not None]))
+        self._futures: list[concurrent.futures.Future] = []
+
+    def start(self, threads: int) -> FieldRead:
+        """Submit the pieces to :func:`piece_pool` (with several pieces and threads; else
+        they are decoded in :meth:`result`)."""
+        if len(self._tasks) > 1 and threads > 1:
+            pool = piece_pool(threads)
+            self._futures = [pool.submit(self._place, *task) for task in self._tasks]
+            self._tasks = []
+        return self
+
+    def _place(self, p, regions: list[grid.Box]) -> None:
+        reader, codec, field, dtype = self._source
+        data = decode_piece(reader, p, codec, field, dtype, self.where)
+        box = tuple(map(tuple, p.box))
+        for region in regions:
+            out = self.arrays[region]
+            if out is None:  # the region is exactly this piece
+                self.arrays[region] = data
+                continue
+            inter = grid.intersect(box, region)
+            out[grid.local_slices(inter, region)] = data[grid.local_slices(inter, box)]
+
+    def result(self) -> dict[grid.Box, np.ndarray]:
+        """The host array of every region (waits for the pieces; the first failure raises)."""
+        for task in self._tasks:
+            self._place(*task)
+        self._tasks = []
+        for future in self._futures:
+            future.result()
+        return self.arrays  # type: ignore[return-value]
+
+
+def start_field(reader, pieces, codec, field, dtype, shape, sharding, where,
+                threads) -> FieldRead:
+    """Start decoding the pieces of ``field`` that this process's shards on ``sharding``
+    overlap (see :class:`FieldRead`)."""
+    return FieldRead(reader, pieces, codec, field, dtype, shard_regions(shape, sharding),
+                     where).start(threads)
 
 
 def assemble_field(
     reader, pieces, codec, field, dtype, shape, sharding, where, threads,
-    started: Started | None = None,
+    started: FieldRead | None = None,
 ) -> jax.Array:
     """Build one field as a jax.Array on ``sharding`` from the pieces its shards overlap;
-    ``started``: their decoding, already submitted by :func:`start_decoding`."""
-    needed = needed_pieces([p for p in pieces if p.field == field], shard_regions(shape, sharding))
+    ``started``: their decoding, already submitted by :func:`start_field`."""
     if started is None:
-        started = start_decoding(reader, needed, codec, field, dtype, where, threads)
-    cache: dict[tuple[str, int], np.ndarray] = {k: f.result() for k, f in started.items()}
+        started = start_field(reader, pieces, codec, field, dtype, shape, sharding, where,
+                              threads)
+    arrays = started.result()
 
     def callback(index: tuple[slice, ...] | None) -> np.ndarray:
-        region = grid.box_from_index(index or (), shape)
-        return read_region(reader, list(needed.values()), codec, field, dtype, region, cache,
-                            where)
+        return arrays[grid.box_from_index(index or (), shape)]
 
     return transfer.upload(shape, dtype, sharding, callback)
+
+
+def _decode_all(reader, needed, codec, field, dtype, where, threads) -> dict:
+    """Every needed piece decoded (on :func:`piece_pool` when several), by (file, offset)."""
+    if len(needed) <= 1 or threads <= 1:
+        return {key: decode_piece(reader, p, codec, field, dtype, where)
+                for key, p in needed.items()}
+    pool = piece_pool(threads)
+    futures = {key: pool.submit(decode_piece, reader, p, codec, field, dtype, where)
+               for key, p in needed.items()}
+    return {key: f.result() for key, f in futures.items()}
 
 
 def read_regions(
@@ -233,8 +293,7 @@ def read_regions(
     the pieces that overlap them only (each piece read and decoded once, on ``threads``)."""
     out = np.zeros(tuple(shape), dtype)
     needed = needed_pieces([p for p in pieces if p.field == field], regions)
-    started = start_decoding(reader, needed, codec, field, dtype, where, threads)
-    cache: dict[tuple[str, int], np.ndarray] = {k: f.result() for k, f in started.items()}
+    cache = _decode_all(reader, needed, codec, field, dtype, where, threads)
     for region in regions:
         out[tuple(slice(a, b) for a, b in region)] = read_region(
             reader, list(needed.values()), codec, field, dtype, region, cache, where)

@@ -293,7 +293,7 @@ class _Link:
     entries: list[LeafEntry]
     active: list[bool]
     reader: payload.PayloadReader
-    started: dict[tuple[int, str], reading.Started] = dataclasses.field(default_factory=dict)
+    started: dict[tuple[int, str], reading.FieldRead] = dataclasses.field(default_factory=dict)
 
 
 def _start_link(link: _Link, targets: list[Any], threads: int) -> None:
@@ -303,13 +303,13 @@ def _start_link(link: _Link, targets: list[Any], threads: int) -> None:
         if not link.active[k] or leaf.storage in HOST_STORAGES:
             continue
         lw = _where(link.link_dir, link.manifest, leaf.name)
-        regions = reading.shard_regions(leaf.shape, reading.target_sharding(targets[k]))
+        sharding = reading.target_sharding(targets[k])
         by_field = reading.pieces_by_field(leaf.pieces)
         for name, fdtype in leaf.codec.field_dtypes(leaf.dtype).items():
             with stored_data(lw):
-                needed = reading.needed_pieces(by_field.get(name, []), regions)
-                link.started[(k, name)] = reading.start_decoding(
-                    link.reader, needed, leaf.codec, name, fdtype, lw, threads)
+                link.started[(k, name)] = reading.start_field(
+                    link.reader, by_field.get(name, []), leaf.codec, name, fdtype, leaf.shape,
+                    sharding, lw, threads)
 
 
 def _decode_link(
@@ -321,7 +321,7 @@ def _decode_link(
     active: list[bool],
     reader: payload.PayloadReader,
     threads: int,
-    started: dict[tuple[int, str], reading.Started] | None = None,
+    started: dict[tuple[int, str], reading.FieldRead] | None = None,
 ) -> list[Any]:
     device_k, plan, dtypes, shardings, fields, sides, refs = [], [], [], [], [], [], []
     out: list[Any] = [None] * len(entries)
