@@ -47,7 +47,9 @@ def measured_estimate(
     measure: ErrorMeasure,
 ) -> Estimate:
     """Price from a measured trial: order-0 entropy of every symbol field, the raw width of
-    any other field; the error in ``measure``; ``inf`` if the guard would refuse the result."""
+    any other field; the error in ``measure``; ``inf`` if the guard would refuse the result.
+    Errors are relative to the norms of the sample the trial ran on (``trial_value_sq``,
+    ``trial_delta_sq``; else the leaf's ``value_sq`` and ``delta_table``)."""
     hists = trial["hist"]
     bits = sum(order0_entropy(hists[name]) if name in hists else 8.0 * np.dtype(fd).itemsize
                for name, fd in codec.field_dtypes(dtype).items())
@@ -57,10 +59,14 @@ def measured_estimate(
     if measure == "elementwise":
         rel = float(trial["elem_rel"])
     else:
-        rel = _ratio(err, math.sqrt(max(float(stats["value_sq"]), 0.0)))
+        rel = _ratio(err, math.sqrt(max(float(stats.get("trial_value_sq",
+                                                          stats["value_sq"])), 0.0)))
     if not codec.needs_reference:
         return Estimate(bits, rel)
-    moved = math.sqrt(max(float(np.sum(stats["delta_table"]["sumsq"])), 0.0))
+    moved_sq = stats.get("trial_delta_sq")
+    if moved_sq is None:
+        moved_sq = np.sum(stats["delta_table"]["sumsq"])
+    moved = math.sqrt(max(float(moved_sq), 0.0))
     return Estimate(bits, rel, _ratio(err, moved))
 
 

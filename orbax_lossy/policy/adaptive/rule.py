@@ -24,7 +24,14 @@ from orbax_lossy.codecs.exact import Exact
 from orbax_lossy.codecs.lc import LC
 from orbax_lossy.errors import InvalidArgumentError
 from orbax_lossy.policy.adaptive.pricing import choose, is_analytic, price
-from orbax_lossy.policy.adaptive.statistics import leaf_statistics, to_host
+from orbax_lossy.policy.adaptive.statistics import (
+    DEFAULT_SAMPLE,
+    DEFAULT_TRIAL_SAMPLE,
+    completed,
+    leaf_statistics,
+    sample_size,
+    to_host,
+)
 from orbax_lossy.policy.base import EXACT_ROLES, OPTIMIZER_ROLES, check_role
 from orbax_lossy.policy.roles import path_roles
 from orbax_lossy.treepaths import StoredPath
@@ -98,6 +105,10 @@ class AdaptivePolicy:
       min_size: leaves with fewer elements are stored losslessly (below ~64 elements the
         side tables of a lossy codec cost as much as the leaf).
       iters, sample: k-means parameters of the default Cluster candidates.
+      stats_sample: statistics and measured trials read at most this many elements of a
+        leaf, a deterministic strided sample of bigger ones (``<= 0``: the whole leaf); see
+        docs/adaptive.md.
+      trial_sample: the same for the measured trials (each a full device encode).
       candidates: ``(role, codecs)`` pairs replacing a role's default candidates (any
         registered codecs, in tie order; ``Exact()`` is always a candidate).
     """
@@ -115,6 +126,8 @@ class AdaptivePolicy:
     min_size: int = 64
     iters: int = 16
     sample: int = 1 << 16
+    stats_sample: int = DEFAULT_SAMPLE
+    trial_sample: int = DEFAULT_TRIAL_SAMPLE
     candidates: tuple[tuple[str, tuple[Codec, ...]], ...] = ()
 
     def __post_init__(self) -> None:
@@ -174,36 +187,55 @@ class AdaptivePolicy:
             return role in LOSSY_BASE_ROLES and float(dict(self.budgets).get(role, 0.0)) > 0
         return reference is not None and tuple(reference.shape) == tuple(value.shape)
 
-    def choose_leaf(self, role: str, value: jax.Array, reference: jax.Array | None) -> Codec:
-        """Price the role's candidates on one leaf and apply the rule (docs/adaptive.md)."""
+    def _dispatch(self, role: str, value: jax.Array, reference: jax.Array | None
+                  ) -> tuple[list[Codec], ErrorMeasure, Any]:
+        """The role's candidates, its error measure and the leaf's statistics (dispatched, not
+        fetched)."""
         measure: ErrorMeasure = ERROR_MEASURES.get(role, "l2")
         codecs = [c for c in self.role_candidates(role)
                   if reference is not None or not c.needs_reference]
         measured = tuple(c for c in codecs if not is_analytic(c, measure))
         # One small program per distinct (shape, dtype, sharding, measured codecs), not one
         # per tree: compile cost scales with the distinct leaf shapes, paid once per run.
-        stats = to_host(leaf_statistics(value, reference, measured=measured, measure=measure))
+        stats = leaf_statistics(value, reference, measured=measured, measure=measure,
+                                sample=self.stats_sample, trial_sample=self.trial_sample)
+        return codecs, measure, stats
+
+    def _choose(self, role: str, value: jax.Array, codecs: Sequence[Codec],
+                measure: ErrorMeasure, stats: Mapping[str, Any]) -> Codec:
+        """Price the candidates from the fetched statistics and apply the rule."""
         if not bool(stats["finite"]):
             return Exact()
         n = math.prod(value.shape)
-        cands = price(codecs, stats, n, np.dtype(value.dtype), measure)
+        # bits per element and relative errors are intensive: priced on the sample's count
+        stats = completed(stats, value.dtype)
+        cands = price(codecs, stats, sample_size(n, self.stats_sample),
+                      np.dtype(value.dtype), measure)
         return choose(cands, float(dict(self.budgets).get(role, 0.0)), n >= self.min_size,
                       self.lossless_slack, self.cheap_lossless_bits,
                       float(dict(self.progress_budgets).get(role, math.inf)))
+
+    def choose_leaf(self, role: str, value: jax.Array, reference: jax.Array | None) -> Codec:
+        """Price the role's candidates on one leaf and apply the rule (docs/adaptive.md)."""
+        codecs, measure, stats = self._dispatch(role, value, reference)
+        return self._choose(role, value, codecs, measure, to_host(stats))
 
     def plan(self, paths: Sequence[StoredPath], values: Sequence[jax.Array],
              references: Sequence[jax.Array | None], is_base: bool,
              roles: Sequence[str] | None = None) -> list[Codec]:
         """:meth:`choose_leaf` for every priced leaf, Exact for the others
         (:meth:`~orbax_lossy.policy.Policy.plan`); roles from ``roles``, else from the paths
-        (``state`` leaves have no budget: lossless)."""
+        (``state`` leaves have no budget: lossless). Every leaf's statistics program is
+        dispatched before any result is fetched (one wait, not one per leaf)."""
         if roles is None:
             roles = path_roles(paths, [value.dtype for value in values])
-        plan: list[Codec] = []
-        for value, ref, role in zip(values, references, roles, strict=True):
+        pending: dict[int, tuple[list[Codec], ErrorMeasure, Any]] = {}
+        for i, (value, ref, role) in enumerate(zip(values, references, roles, strict=True)):
             ref = None if is_base else ref
             if self._priced(role, value, ref, is_base):
-                plan.append(self.choose_leaf(role, value, ref))
-            else:
-                plan.append(Exact())
+                pending[i] = self._dispatch(role, value, ref)
+        fetched = to_host([stats for _, _, stats in pending.values()])
+        plan: list[Codec] = [Exact() for _ in values]
+        for (i, (codecs, measure, _)), stats in zip(pending.items(), fetched, strict=True):
+            plan[i] = self._choose(roles[i], values[i], codecs, measure, stats)
         return plan

@@ -1,14 +1,21 @@
 """Device half of :class:`~orbax_lossy.policy.AdaptivePolicy`: one small jitted program per
-leaf that reads the leaf (and its reference) once and returns global reductions.
+leaf shape that reads the leaf (and its reference) once and returns global reductions.
 
+A leaf with more than ``sample`` elements is priced on a deterministic strided sample of its
+flattened global array (:func:`sample_stride`: the same positions on every process), so the
+plan's cost does not grow with the leaf. What a sample can miss (a non-finite element, a
+newborn second-moment element) the save program's guard still catches on the whole leaf.
 Common statistics feed the codecs' analytic estimates; every candidate without one is
-*measured*: its device encode runs in the same program. Keys: ``docs/adaptive.md``.
-Everything is a global reduction of an SPMD program, so every process gets the same numbers.
+*measured*: its device encode runs on the sample in the same program. Keys:
+``docs/adaptive.md``. Everything is a global reduction of an SPMD program, so every process
+gets the same numbers.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -18,6 +25,39 @@ import numpy as np
 from orbax_lossy.codecs.base import Codec, ErrorMeasure, sign_safe, work_dtype
 from orbax_lossy.codecs.bitmask import as_words
 from orbax_lossy.codecs.lc import bucket_table, exponent_buckets
+
+#: Statistics and trials read at most this many elements of a leaf (a strided sample of
+#: bigger leaves): bits per element and relative errors are intensive, so a sample of 2**16
+#: elements prices them to a fraction of a percent, at a cost independent of the leaf's size.
+DEFAULT_SAMPLE = 1 << 16
+
+#: Measured trials (each a full device encode: Cluster sorts its input for k-means) read a
+#: smaller strided sample of at most this many elements.
+DEFAULT_TRIAL_SAMPLE = 1 << 14
+
+
+def sample_stride(n: int, sample: int) -> int:
+    """Stride of the sample of a leaf of ``n`` elements: 1 (the whole leaf) if ``n <= sample``
+    or ``sample <= 0``; else the smallest stride ``>= ceil(n / sample)`` that is coprime with
+    ``n``, so the sample's positions fall on every residue of every trailing dimension (each
+    column of a matrix, each position of a head) instead of aliasing with the layout."""
+    if sample <= 0 or n <= sample:
+        return 1
+    stride = -(-n // sample)
+    while math.gcd(stride, n) != 1:
+        stride += 1
+    return stride
+
+
+def sample_size(n: int, sample: int) -> int:
+    """Elements in the sample of a leaf of ``n`` elements (:func:`sample_stride`)."""
+    return -(-n // sample_stride(n, sample))
+
+
+def strided(x: jax.Array, stride: int) -> jax.Array:
+    """The flattened ``x`` at positions ``0, stride, 2 * stride, ...`` (global positions)."""
+    flat = x.reshape(-1)
+    return flat if stride == 1 else flat[::stride]
 
 
 def value_histogram(value: jax.Array) -> jax.Array:
@@ -79,47 +119,170 @@ def measured_trial(
     return out
 
 
+def largest(high: jax.Array, low: jax.Array) -> jax.Array:
+    """``[largest positive element, largest magnitude of a negative one]`` (0 where none) of
+    an array whose maximum is ``high`` and minimum ``low`` (plain reductions: a masked one is
+    several times slower on XLA:CPU)."""
+    zero = jnp.zeros((), high.dtype)
+    return jnp.stack([jnp.maximum(high, zero), jnp.maximum(-low, zero)])
+
+
+@functools.partial(jax.jit, static_argnames=("sample", "trial_sample", "extremes"))
+def leaf_sample(
+    value: jax.Array, reference: jax.Array | None, *, sample: int, trial_sample: int,
+    extremes: bool = True,
+) -> dict[str, Any]:
+    """The strided samples of a leaf (first program of :func:`leaf_statistics`, one per leaf
+    shape): ``value``/``reference`` at the positions :func:`sample_stride` gives for
+    ``sample``, ``trial_value``/``trial_reference`` for ``trial_sample``. Positions in the
+    flattened global array: the same on every process.
+
+    A sampled leaf is also read once in full, in fused max-reductions (no leaf-sized
+    temporaries): ``top``, the :func:`largest` elements of the value and of the delta (LC keeps
+    the largest buckets, and a sample rarely holds the few elements above its own largest);
+    and (``extremes``: there are measured trials) the trial sample gets the leaf's largest,
+    smallest and smallest positive values appended, each with itself as reference (a zero
+    delta): direct codecs fit their range to the extremes (Cluster's k-means does), delta
+    codecs code them as unchanged.
+    """
+    n = math.prod(value.shape)
+    wd = work_dtype(value.dtype)
+    if reference is not None:
+        reference = reference.astype(value.dtype)
+    out: dict[str, Any] = {}
+    for prefix, size in (("", sample), ("trial_", trial_sample)):
+        stride = sample_stride(n, size)
+        out[prefix + "value"] = strided(value, stride)
+        out[prefix + "reference"] = None if reference is None else strided(reference, stride)
+    v = value.reshape(-1).astype(wd)
+    big = jnp.asarray(jnp.inf, wd)
+    high, low = jnp.max(v, initial=-big), jnp.min(v, initial=big)
+    if sample_stride(n, sample) > 1:
+        out["top"] = {"value": largest(high, low)}
+        if reference is not None:
+            d = v - reference.reshape(-1).astype(wd)
+            out["top"]["delta"] = largest(jnp.max(d, initial=-big), jnp.min(d, initial=big))
+    if extremes and sample_stride(n, trial_sample) > 1:
+        ext = jnp.stack([high, low, jnp.min(jnp.where(v > 0, v, big), initial=big)])
+        ext = jnp.where(jnp.isfinite(ext), ext, 0).astype(value.dtype)
+        out["trial_value"] = jnp.concatenate([out["trial_value"], ext])
+        if reference is not None:
+            out["trial_reference"] = jnp.concatenate([out["trial_reference"], ext])
+    return out
+
+
+def with_top(table: Mapping[str, Any], top: Any, dtype: Any) -> dict[str, Any]:
+    """``table`` (a fetched bucket table of a sample) with the buckets the whole leaf has above
+    the sample's largest, per sign: every exponent from the sample's largest up to the
+    leaf's (:func:`largest`) is taken as non-empty, with one element of representative
+    magnitude ``0.75 * 2**e`` (the largest magnitude itself in the top bucket), so that LC's
+    kept buckets replay as on the whole leaf. Taking the octaves in between as non-empty can
+    only overstate LC's error. Host side, numpy."""
+    info = np.finfo(dtype)
+    lo = int(info.minexp) - int(info.nmant) + 1
+    out = {k: np.array(v, np.int64 if k == "count" else np.float64) for k, v in table.items()}
+    count = out["count"].reshape(-1, 2)
+    for sign in (0, 1):
+        t = float(top[sign])
+        if not (t > 0 and math.isfinite(t)):
+            continue
+        e_top = int(np.frexp(t)[1])
+        present = np.nonzero(count[:, sign] > 0)[0]
+        e_from = int(present[-1]) + lo + 1 if present.size else e_top
+        for e in range(e_from, e_top + 1):
+            b = 2 * (e - lo) + sign
+            if 0 <= b < out["count"].shape[0] and out["count"][b] == 0:
+                rep = t if e == e_top else 0.75 * 2.0**e
+                out["count"][b] = 1
+                out["sum"][b], out["sumsq"][b] = rep, rep * rep
+                out["max"][b] = out["min"][b] = rep
+    return out
+
+
 @functools.partial(jax.jit, static_argnames=("measured", "measure"))
+def sample_statistics(
+    samples: dict[str, Any], *, measured: tuple[Codec, ...], measure: ErrorMeasure
+) -> dict[str, Any]:
+    """Statistics of the samples :func:`leaf_sample` took (second program of
+    :func:`leaf_statistics`, one per sample length: its cost does not grow with the leaf)."""
+    sv, sref = samples["value"], samples["reference"]
+    wd = work_dtype(sv.dtype)
+    v = sv.astype(wd)
+    finite = jnp.all(jnp.isfinite(v))
+    if sref is not None:
+        finite &= jnp.all(jnp.isfinite(sref.astype(wd)))
+    clean = jnp.where(finite, v, 0)
+    st: dict[str, Any] = {"finite": finite, "value_min": jnp.min(clean, initial=0)}
+    if "top" in samples:
+        st["top"] = samples["top"]
+    if sref is not None:
+        # positive now, <= 0 in the reference: LC must lift these into a kept positive
+        # bucket (see docs/codecs.md), so it needs one
+        st["born"] = jnp.sum(((sref.astype(wd) <= 0) & (v > 0)).astype(jnp.int32))
+    st.update({
+        "value_sq": jnp.sum(jnp.square(clean)),
+        "value_hist": value_histogram(clean),
+        "value_table": bucket_table(clean),
+    })
+    if sref is not None:
+        r = sref.astype(wd)
+        xor = as_words(sv) ^ as_words(sref)
+        st["changed"] = jnp.sum((xor != 0).astype(jnp.int32))
+        st["plane_nonzero"] = jnp.stack([
+            jnp.sum((((xor >> (8 * j)) & 0xFF) != 0).astype(jnp.int32))
+            for j in range(np.dtype(sv.dtype).itemsize)
+        ])
+        st["delta_table"] = bucket_table(jnp.where(finite, v - r, 0))
+    st["trials"] = []
+    if not measured:
+        return st
+    tv, tref = samples["trial_value"], samples["trial_reference"]
+    safe_value = jnp.where(finite, tv, jnp.zeros_like(tv))
+    st["trial_value_sq"] = jnp.sum(jnp.square(safe_value.astype(wd)))
+    if tref is not None:
+        st["trial_delta_sq"] = jnp.sum(jnp.square(safe_value.astype(wd) - tref.astype(wd)))
+    st["trials"] = [measured_trial(c, safe_value, tref, measure) for c in measured]
+    return st
+
+
 def leaf_statistics(
     value: jax.Array,
     reference: jax.Array | None,
     *,
     measured: tuple[Codec, ...] = (),
     measure: ErrorMeasure = "l2",
+    sample: int = DEFAULT_SAMPLE,
+    trial_sample: int = DEFAULT_TRIAL_SAMPLE,
 ) -> dict[str, Any]:
     """Statistics of one float leaf, against its reference where it has one (a delta save).
 
-    ``measured``: codecs run in full on the leaf (``"trials"``, in that order).
+    ``measured``: codecs run in full on the trial sample (``"trials"``, in that order).
+    ``sample``: at most this many elements are read (:func:`sample_stride`; ``<= 0``: the whole
+    leaf); every statistic is the sample's (:func:`sample_size` elements).
+    ``trial_sample``: the same for the measured trials; ``trial_value_sq`` and
+    ``trial_delta_sq`` are the norms on that sample, which the trials' errors are relative to.
+
+    Two programs, dispatched without waiting: :func:`leaf_sample` and
+    :func:`sample_statistics` (a strided read of the whole leaf fused into every consumer of
+    the sample made a single program ~10x slower on XLA:CPU).
     """
-    wd = work_dtype(value.dtype)
-    v = value.astype(wd)
-    finite = jnp.all(jnp.isfinite(v))
-    if reference is not None:
-        reference = reference.astype(value.dtype)
-        finite &= jnp.all(jnp.isfinite(reference.astype(wd)))
-    clean = jnp.where(finite, v, 0)
-    st: dict[str, Any] = {
-        "finite": finite,
-        "value_sq": jnp.sum(jnp.square(clean)),
-        "value_min": jnp.min(clean, initial=0),
-        "value_hist": value_histogram(clean),
-        "value_table": bucket_table(clean),
-    }
-    if reference is not None:
-        r = reference.astype(wd)
-        xor = (as_words(value) ^ as_words(reference)).reshape(-1)
-        st["changed"] = jnp.sum((xor != 0).astype(jnp.int32))
-        st["plane_nonzero"] = jnp.stack([
-            jnp.sum((((xor >> (8 * j)) & 0xFF) != 0).astype(jnp.int32))
-            for j in range(np.dtype(value.dtype).itemsize)
-        ])
-        st["delta_table"] = bucket_table(jnp.where(finite, v - r, 0))
-        # positive now, <= 0 in the reference: LC must lift these into a kept positive
-        # bucket (see docs/codecs.md), so it needs one
-        st["born"] = jnp.sum(((r <= 0) & (v > 0)).astype(jnp.int32))
-    safe_value = jnp.where(finite, value, jnp.zeros_like(value))
-    st["trials"] = [measured_trial(c, safe_value, reference, measure) for c in measured]
-    return st
+    samples = leaf_sample(value, reference, sample=sample, trial_sample=trial_sample,
+                          extremes=bool(measured))
+    return sample_statistics(samples, measured=measured, measure=measure)
+
+
+def completed(stats: Mapping[str, Any], dtype: Any) -> Mapping[str, Any]:
+    """Fetched statistics with the whole leaf's largest buckets merged into the sampled
+    bucket tables (:func:`with_top`); unchanged for a leaf that was not sampled."""
+    top = stats.get("top")
+    if not top or not bool(stats["finite"]):
+        return stats
+    wd = work_dtype(dtype)
+    out = dict(stats)
+    out["value_table"] = with_top(stats["value_table"], top["value"], wd)
+    if "delta" in top:
+        out["delta_table"] = with_top(stats["delta_table"], top["delta"], wd)
+    return out
 
 
 def to_host(tree: Any) -> Any:
