@@ -290,3 +290,27 @@ def test_byte_table_matches_greedy_codes() -> None:
             assert int(info[v]) == (used_bits | nbytes << 8 if nbytes else 0)
             row = obytes[v * K.BYTE_TABLE_MAX : v * K.BYTE_TABLE_MAX + nbytes]
             assert list(row) == out
+
+
+def test_blocks_on_this_thread_decodes_the_same_without_the_pool(monkeypatch):
+    rng = np.random.default_rng(7)
+    symbols = rng.choice(7, size=300_000, p=[0.5, 0.2, 0.1, 0.08, 0.06, 0.04, 0.02])
+    data = stream.encode_symbols(symbols.astype(np.uint8))
+    submitted = []
+    pool = stream._pool()
+    real_submit = pool.submit
+
+    def submit(*args, **kwargs):
+        submitted.append(1)
+        return real_submit(*args, **kwargs)
+
+    monkeypatch.setattr(pool, "submit", submit)
+    parallel = stream.decode_symbols(data, symbols.size)
+    used_pool = bool(submitted)
+    submitted.clear()
+    with stream.blocks_on_this_thread():
+        serial = stream.decode_symbols(data, symbols.size)
+    assert not submitted  # nothing handed to the entropy pool
+    assert used_pool == (stream._pool()._max_workers > 1)
+    np.testing.assert_array_equal(serial, parallel)
+    np.testing.assert_array_equal(serial, symbols)

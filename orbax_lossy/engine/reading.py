@@ -14,6 +14,7 @@ import numpy as np
 
 from orbax_lossy.engine import transfer
 from orbax_lossy.engine.targets import LeafTarget
+from orbax_lossy.entropy.stream import blocks_on_this_thread
 from orbax_lossy.errors import FormatError, InvalidArgumentError, LossyError
 from orbax_lossy.format import grid
 from orbax_lossy.format.manifest import LeafEntry
@@ -224,13 +225,18 @@ class FieldRead:
         they are decoded in :meth:`result`)."""
         if len(self._tasks) > 1 and threads > 1:
             pool = piece_pool(threads)
-            self._futures = [pool.submit(self._place, *task) for task in self._tasks]
+            self._futures = [pool.submit(self._place, *task, serial=True)
+                             for task in self._tasks]
             self._tasks = []
         return self
 
-    def _place(self, p, regions: list[grid.Box]) -> None:
+    def _place(self, p, regions: list[grid.Box], serial: bool = False) -> None:
         reader, codec, field, dtype = self._source
-        data = decode_piece(reader, p, codec, field, dtype, self.where)
+        if serial:  # one piece per pool thread: its blocks stay on this thread
+            with blocks_on_this_thread():
+                data = decode_piece(reader, p, codec, field, dtype, self.where)
+        else:
+            data = decode_piece(reader, p, codec, field, dtype, self.where)
         box = tuple(map(tuple, p.box))
         for region in regions:
             out = self.arrays[region]
@@ -281,8 +287,11 @@ def _decode_all(reader, needed, codec, field, dtype, where, threads) -> dict:
         return {key: decode_piece(reader, p, codec, field, dtype, where)
                 for key, p in needed.items()}
     pool = piece_pool(threads)
-    futures = {key: pool.submit(decode_piece, reader, p, codec, field, dtype, where)
-               for key, p in needed.items()}
+    def serial(p):
+        with blocks_on_this_thread():
+            return decode_piece(reader, p, codec, field, dtype, where)
+
+    futures = {key: pool.submit(serial, p) for key, p in needed.items()}
     return {key: f.result() for key, f in futures.items()}
 
 

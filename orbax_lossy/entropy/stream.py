@@ -44,9 +44,10 @@ than a few bytes larger than the input.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -118,9 +119,29 @@ def _status_error(status: int) -> FormatError:
     return FormatError(f"corrupt symbol stream: {messages.get(status, f'status {status}')}")
 
 
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def blocks_on_this_thread() -> Iterator[None]:
+    """Decode every stream's blocks on the calling thread inside this context.
+
+    For callers that already decode one stream per thread of their own pool (a restore's
+    pieces): handing each stream's blocks to a second pool only adds hand-offs and GIL
+    contention between the two pools' threads.
+    """
+    before = getattr(_LOCAL, "serial", False)
+    _LOCAL.serial = True
+    try:
+        yield
+    finally:
+        _LOCAL.serial = before
+
+
 def _run_blocks(kernel: Callable[[int, int], int], nb: int) -> None:
     """Run ``kernel(b0, b1)`` over all blocks, in parallel ranges when worthwhile."""
-    pool = _pool() if nb >= PARALLEL_MIN_BLOCKS else None
+    serial = getattr(_LOCAL, "serial", False)
+    pool = _pool() if nb >= PARALLEL_MIN_BLOCKS and not serial else None
     workers = pool._max_workers if pool is not None else 1
     if pool is None or workers == 1:
         statuses = [kernel(0, nb)]
