@@ -266,3 +266,104 @@ def test_first_moment_gets_pruned_direct_lc_and_newborn_second_moments_stay_posi
     (codec,) = tight.plan(paths[:1], [mu], [mu_ref], is_base=False)
     out = program.encode_tree([mu], [mu_ref], plan=(codec,), shardings=(mu.sharding,))[0]
     assert float(out["rel_error"]) <= 0.3 * 1.02
+
+
+# --------------------------------------------------------------------------- sampled statistics
+
+
+def test_sample_positions_are_global_coprime_and_cover_every_column():
+    import math
+
+    from orbax_lossy.policy.adaptive.statistics import sample_size, sample_stride
+
+    assert sample_stride(5000, 1 << 16) == 1 and sample_stride(1 << 20, 0) == 1
+    for shape in [(1365, 1024), (4096, 512), (3, 1 << 20), (7, 12, 4096), (257, 1000)]:
+        n = math.prod(shape)
+        stride = sample_stride(n, 1 << 16)
+        assert math.gcd(stride, n) == 1 and stride >= -(-n // (1 << 16))
+        assert sample_size(n, 1 << 16) == len(range(0, n, stride)) <= 1 << 16
+        # every column (and every position of the last two axes) is sampled alike
+        pos = np.arange(0, n, stride)
+        cols = np.bincount(pos % shape[-1], minlength=shape[-1])
+        per_column = len(pos) / shape[-1]
+        assert cols.min() >= math.floor(per_column) - 1 and cols.max() <= math.ceil(per_column) + 1
+
+
+def test_sampled_lc_estimate_sees_the_largest_elements_outside_the_sample():
+    """A few deltas far above the sample's largest shift the buckets LC keeps: the sampled
+    estimate (with the leaf's largest elements merged in) must not be optimistic."""
+    from orbax_lossy.policy.adaptive.statistics import (
+        completed,
+        sample_size,
+        sample_stride,
+    )
+
+    rng = np.random.default_rng(3)
+    n, sample = 1 << 18, 1 << 12
+    ref = rng.standard_normal(n).astype(np.float32)
+    delta = rng.standard_normal(n).astype(np.float32) * 1e-3
+    stride = sample_stride(n, sample)
+    delta[np.arange(1, n, stride)[:6]] *= 300  # never sampled: positions 1 mod stride
+    value, reference = jnp.asarray(ref + delta), jnp.asarray(ref)
+    raw = jax.device_get(leaf_statistics(value, reference, sample=sample))
+    stats, priced_n = completed(raw, value.dtype, n, sample)
+    assert priced_n == stride * sample_size(n, sample)
+    moved = np.linalg.norm(np.asarray(value) - ref)
+    optimistic = 0
+    for bits in (2, 3, 4, 6):
+        recon = np.asarray(LC(bits).device_encode(value, reference).recon)
+        real = np.linalg.norm(recon - np.asarray(value)) / moved
+        est = LC(bits).estimate(stats, priced_n, np.dtype(np.float32))
+        assert est.progress_error >= 0.97 * real, (bits, est, real)
+        bare = LC(bits).estimate(raw, sample_size(n, sample), np.dtype(np.float32))
+        optimistic += bare.progress_error < 0.5 * real
+    assert optimistic  # without the leaf's largest elements the sample misleads
+
+
+def test_sampled_plan_matches_the_whole_leaf_plan_and_is_deterministic():
+    paths, values, refs = synthetic_leaves()  # 128 x 128 leaves: sampled at 2**12
+    whole = AdaptivePolicy(stats_sample=0, trial_sample=0)
+    sampled = AdaptivePolicy(stats_sample=1 << 12, trial_sample=1 << 11)
+    for is_base, rs in ((False, refs), (True, [None] * len(refs))):
+        plan = sampled.plan(paths, values, rs, is_base=is_base)
+        assert plan == whole.plan(paths, values, rs, is_base=is_base)
+        assert plan == sampled.plan(paths, values, rs, is_base=is_base)
+
+
+SHARDED_STATS = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from orbax_lossy.codecs.cluster import Cluster
+from orbax_lossy.policy.adaptive import leaf_statistics
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+rng = np.random.default_rng(0)
+ref = jnp.asarray(np.exp(rng.normal(-12, 1, (256, 96))), jnp.float32)
+val = ref * 0.99 + jnp.asarray(np.exp(rng.normal(-14, 1, (256, 96))), jnp.float32)
+kw = dict(measured=(Cluster(4, domain="log"),), measure="elementwise", sample=4096,
+          trial_sample=1024)
+one = jax.device_get(leaf_statistics(val, ref, **kw))
+for spec in (P("a", "b"), P(None, "b"), P("b", None)):
+    sh = NamedSharding(mesh, spec)
+    got = jax.device_get(leaf_statistics(jax.device_put(val, sh), jax.device_put(ref, sh), **kw))
+    for path, a in jax.tree_util.tree_leaves_with_path(one):
+        b = dict(jax.tree_util.tree_leaves_with_path(got))[path]
+        if np.issubdtype(np.asarray(a).dtype, np.floating):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=0, err_msg=str((spec, path)))
+        else:
+            np.testing.assert_array_equal(b, a, err_msg=str((spec, path)))
+print("OK")
+"""
+
+
+def test_sampled_statistics_of_a_sharded_leaf_are_those_of_the_global_array(tmp_path):
+    """The sample is taken at global positions: sharding the leaf changes nothing."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "sharded_stats.py"
+    script.write_text(SHARDED_STATS)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]

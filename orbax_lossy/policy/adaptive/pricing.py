@@ -48,8 +48,8 @@ def measured_estimate(
 ) -> Estimate:
     """Price from a measured trial: order-0 entropy of every symbol field, the raw width of
     any other field; the error in ``measure``; ``inf`` if the guard would refuse the result.
-    Errors are relative to the norms of the sample the trial ran on (``trial_value_sq``,
-    ``trial_delta_sq``; else the leaf's ``value_sq`` and ``delta_table``)."""
+    Errors are relative to the norms of what the trial ran on (its ``value_sq`` and
+    ``delta_sq``; else the leaf's ``value_sq`` and ``delta_table``)."""
     hists = trial["hist"]
     bits = sum(order0_entropy(hists[name]) if name in hists else 8.0 * np.dtype(fd).itemsize
                for name, fd in codec.field_dtypes(dtype).items())
@@ -59,11 +59,10 @@ def measured_estimate(
     if measure == "elementwise":
         rel = float(trial["elem_rel"])
     else:
-        rel = _ratio(err, math.sqrt(max(float(stats.get("trial_value_sq",
-                                                          stats["value_sq"])), 0.0)))
+        rel = _ratio(err, math.sqrt(max(float(trial.get("value_sq", stats["value_sq"])), 0.0)))
     if not codec.needs_reference:
         return Estimate(bits, rel)
-    moved_sq = stats.get("trial_delta_sq")
+    moved_sq = trial.get("delta_sq")
     if moved_sq is None:
         moved_sq = np.sum(stats["delta_table"]["sumsq"])
     moved = math.sqrt(max(float(moved_sq), 0.0))

@@ -29,7 +29,6 @@ from orbax_lossy.policy.adaptive.statistics import (
     DEFAULT_TRIAL_SAMPLE,
     completed,
     leaf_statistics,
-    sample_size,
     to_host,
 )
 from orbax_lossy.policy.base import EXACT_ROLES, OPTIMIZER_ROLES, check_role
@@ -207,10 +206,10 @@ class AdaptivePolicy:
         if not bool(stats["finite"]):
             return Exact()
         n = math.prod(value.shape)
-        # bits per element and relative errors are intensive: priced on the sample's count
-        stats = completed(stats, value.dtype)
-        cands = price(codecs, stats, sample_size(n, self.stats_sample),
-                      np.dtype(value.dtype), measure)
+        # bits per element and relative errors are intensive: a sampled leaf is priced on
+        # its sample's statistics in units of the leaf (docs/adaptive.md)
+        stats, priced_n = completed(stats, value.dtype, n, self.stats_sample)
+        cands = price(codecs, stats, priced_n, np.dtype(value.dtype), measure)
         return choose(cands, float(dict(self.budgets).get(role, 0.0)), n >= self.min_size,
                       self.lossless_slack, self.cheap_lossless_bits,
                       float(dict(self.progress_budgets).get(role, math.inf)))
@@ -226,7 +225,7 @@ class AdaptivePolicy:
         """:meth:`choose_leaf` for every priced leaf, Exact for the others
         (:meth:`~orbax_lossy.policy.Policy.plan`); roles from ``roles``, else from the paths
         (``state`` leaves have no budget: lossless). Every leaf's statistics program is
-        dispatched before any result is fetched (one wait, not one per leaf)."""
+        dispatched before any result is fetched."""
         if roles is None:
             roles = path_roles(paths, [value.dtype for value in values])
         pending: dict[int, tuple[list[Codec], ErrorMeasure, Any]] = {}
@@ -234,8 +233,8 @@ class AdaptivePolicy:
             ref = None if is_base else ref
             if self._priced(role, value, ref, is_base):
                 pending[i] = self._dispatch(role, value, ref)
-        fetched = to_host([stats for _, _, stats in pending.values()])
         plan: list[Codec] = [Exact() for _ in values]
-        for (i, (codecs, measure, _)), stats in zip(pending.items(), fetched, strict=True):
-            plan[i] = self._choose(roles[i], values[i], codecs, measure, stats)
+        # fetched in dispatch order: pricing one leaf overlaps the programs of the next ones
+        for i, (codecs, measure, stats) in pending.items():
+            plan[i] = self._choose(roles[i], values[i], codecs, measure, to_host(stats))
         return plan

@@ -33,7 +33,7 @@ DEFAULT_SAMPLE = 1 << 16
 
 #: Measured trials (each a full device encode: Cluster sorts its input for k-means) read a
 #: smaller strided sample of at most this many elements.
-DEFAULT_TRIAL_SAMPLE = 1 << 14
+DEFAULT_TRIAL_SAMPLE = 1 << 13
 
 
 def sample_stride(n: int, sample: int) -> int:
@@ -100,17 +100,21 @@ def symbol_alphabets(codec: Codec) -> dict[str, int]:
 def measured_trial(
     codec: Codec, value: jax.Array, reference: jax.Array | None, measure: ErrorMeasure
 ) -> dict[str, Any]:
-    """Run ``codec`` on the leaf: symbol histograms, error, and the handler's guard."""
+    """Run ``codec`` on the leaf (or a sample): symbol histograms, error, and the handler's
+    guard; ``value_sq`` and ``delta_sq``, the norms its errors are relative to."""
     ref = reference if codec.needs_reference else None
     enc = codec.device_encode(value, ref)
     wd = work_dtype(value.dtype)
     v, recon = value.astype(wd), enc.recon.astype(wd)
     alphabets = symbol_alphabets(codec)
     out: dict[str, Any] = {
+        "value_sq": jnp.sum(jnp.square(v)),
         "err_sq": jnp.sum(jnp.square(recon - v)),
         "safe": jnp.all(jnp.isfinite(recon)) & sign_safe(value, enc.recon),
         "hist": {k: symbol_histogram(enc.fields[k], a) for k, a in alphabets.items()},
     }
+    if ref is not None:
+        out["delta_sq"] = jnp.sum(jnp.square(v - ref.astype(wd)))
     if measure == "elementwise":
         # elements that are 0 in the reference are left out: delta codecs store elements
         # born since the reference over-estimated on purpose (see docs/codecs.md, LC)
@@ -127,8 +131,7 @@ def largest(high: jax.Array, low: jax.Array) -> jax.Array:
     return jnp.stack([jnp.maximum(high, zero), jnp.maximum(-low, zero)])
 
 
-@functools.partial(jax.jit, static_argnames=("sample", "trial_sample", "extremes"))
-def leaf_sample(
+def _leaf_sample(
     value: jax.Array, reference: jax.Array | None, *, sample: int, trial_sample: int,
     extremes: bool = True,
 ) -> dict[str, Any]:
@@ -140,10 +143,11 @@ def leaf_sample(
     A sampled leaf is also read once in full, in fused max-reductions (no leaf-sized
     temporaries): ``top``, the :func:`largest` elements of the value and of the delta (LC keeps
     the largest buckets, and a sample rarely holds the few elements above its own largest);
-    and (``extremes``: there are measured trials) the trial sample gets the leaf's largest,
-    smallest and smallest positive values appended, each with itself as reference (a zero
-    delta): direct codecs fit their range to the extremes (Cluster's k-means does), delta
-    codecs code them as unchanged.
+    and (``extremes``: there are measured trials) what the trial sample gets appended:
+    ``direct_extremes``, the leaf's largest, smallest and smallest positive values (for direct
+    codecs, which fit their range to them: Cluster's k-means does), and on delta saves
+    ``delta_extremes``, two (value, reference) pairs carrying the leaf's largest and smallest
+    delta (for delta codecs, which keep their largest buckets).
     """
     n = math.prod(value.shape)
     wd = work_dtype(value.dtype)
@@ -163,24 +167,34 @@ def leaf_sample(
             d = v - reference.reshape(-1).astype(wd)
             out["top"]["delta"] = largest(jnp.max(d, initial=-big), jnp.min(d, initial=big))
     if extremes and sample_stride(n, trial_sample) > 1:
-        ext = jnp.stack([high, low, jnp.min(jnp.where(v > 0, v, big), initial=big)])
-        ext = jnp.where(jnp.isfinite(ext), ext, 0).astype(value.dtype)
-        out["trial_value"] = jnp.concatenate([out["trial_value"], ext])
+        # appended to the trial sample: a sample rarely holds the extremes a codec fits to
+        smallest = jnp.min(jnp.where(v > 0, v, big), initial=big)
+        ext = jnp.stack([high, low, smallest])
+        out["direct_extremes"] = jnp.where(jnp.isfinite(ext), ext, 0).astype(value.dtype)
         if reference is not None:
-            out["trial_reference"] = jnp.concatenate([out["trial_reference"], ext])
+            d = v - reference.reshape(-1).astype(wd)
+            top_v = jnp.maximum(high, 0)
+            up, down = jnp.max(d, initial=-big), jnp.min(d, initial=big)
+            pairs = jnp.stack([jnp.stack([top_v + jnp.maximum(up, 0), top_v]),
+                               jnp.stack([top_v, top_v - jnp.minimum(down, 0)])])
+            pairs = jnp.where(jnp.isfinite(pairs), pairs, 0).astype(value.dtype)
+            out["delta_extremes"] = pairs  # [pair, (value, reference)]
     return out
 
 
-def with_top(table: Mapping[str, Any], top: Any, dtype: Any) -> dict[str, Any]:
-    """``table`` (a fetched bucket table of a sample) with the buckets the whole leaf has above
-    the sample's largest, per sign: every exponent from the sample's largest up to the
-    leaf's (:func:`largest`) is taken as non-empty, with one element of representative
-    magnitude ``0.75 * 2**e`` (the largest magnitude itself in the top bucket), so that LC's
-    kept buckets replay as on the whole leaf. Taking the octaves in between as non-empty can
-    only overstate LC's error. Host side, numpy."""
+def with_top(table: Mapping[str, Any], top: Any, dtype: Any, scale: int) -> dict[str, Any]:
+    """``table`` (a fetched bucket table of a sample) in units of the whole leaf (counts and
+    sums times ``scale``, the stride) with the buckets the leaf has above the sample's
+    largest, per sign: every exponent from the sample's largest up to the leaf's
+    (:func:`largest`) is taken as holding one element of representative magnitude
+    ``0.75 * 2**e`` (the largest magnitude itself in the top bucket), so that LC's kept
+    buckets replay as on the whole leaf. Host side, numpy."""
     info = np.finfo(dtype)
     lo = int(info.minexp) - int(info.nmant) + 1
-    out = {k: np.array(v, np.int64 if k == "count" else np.float64) for k, v in table.items()}
+    out: dict[str, Any] = {k: np.array(v, np.float64) for k, v in table.items()}
+    out["count"] = np.asarray(table["count"], np.int64) * scale
+    out["sum"] *= scale
+    out["sumsq"] *= scale
     count = out["count"].reshape(-1, 2)
     for sign in (0, 1):
         t = float(top[sign])
@@ -238,10 +252,19 @@ def sample_statistics(
         return st
     tv, tref = samples["trial_value"], samples["trial_reference"]
     safe_value = jnp.where(finite, tv, jnp.zeros_like(tv))
-    st["trial_value_sq"] = jnp.sum(jnp.square(safe_value.astype(wd)))
-    if tref is not None:
-        st["trial_delta_sq"] = jnp.sum(jnp.square(safe_value.astype(wd) - tref.astype(wd)))
-    st["trials"] = [measured_trial(c, safe_value, tref, measure) for c in measured]
+    trials = []
+    for c in measured:
+        cv, cref = safe_value, tref
+        if c.needs_reference and "delta_extremes" in samples:
+            pairs = jnp.where(finite, samples["delta_extremes"], 0)
+            cv = jnp.concatenate([cv, pairs[:, 0]])
+            cref = jnp.concatenate([tref, pairs[:, 1]])
+        elif "direct_extremes" in samples:
+            ext = jnp.where(finite, samples["direct_extremes"], 0)
+            cv = jnp.concatenate([cv, ext])
+            cref = None if tref is None else jnp.concatenate([tref, ext])
+        trials.append(measured_trial(c, cv, cref, measure))
+    st["trials"] = trials
     return st
 
 
@@ -259,8 +282,8 @@ def leaf_statistics(
     ``measured``: codecs run in full on the trial sample (``"trials"``, in that order).
     ``sample``: at most this many elements are read (:func:`sample_stride`; ``<= 0``: the whole
     leaf); every statistic is the sample's (:func:`sample_size` elements).
-    ``trial_sample``: the same for the measured trials; ``trial_value_sq`` and
-    ``trial_delta_sq`` are the norms on that sample, which the trials' errors are relative to.
+    ``trial_sample``: the same for the measured trials (each returns the norms of what it
+    ran on).
 
     Two programs, dispatched without waiting: :func:`leaf_sample` and
     :func:`sample_statistics` (a strided read of the whole leaf fused into every consumer of
@@ -271,18 +294,56 @@ def leaf_statistics(
     return sample_statistics(samples, measured=measured, measure=measure)
 
 
-def completed(stats: Mapping[str, Any], dtype: Any) -> Mapping[str, Any]:
-    """Fetched statistics with the whole leaf's largest buckets merged into the sampled
-    bucket tables (:func:`with_top`); unchanged for a leaf that was not sampled."""
+@functools.cache
+def _sampler(replicated: jax.sharding.Sharding | None) -> Any:
+    return jax.jit(_leaf_sample, static_argnames=("sample", "trial_sample", "extremes"),
+                   out_shardings=replicated)
+
+
+def leaf_sample(
+    value: jax.Array, reference: jax.Array | None, *, sample: int, trial_sample: int,
+    extremes: bool = True,
+) -> dict[str, Any]:
+    """:func:`_leaf_sample`, its samples replicated on the leaf's devices (small; the
+    statistics program then runs on whole samples, not on shards of them)."""
+    sharding = getattr(value, "sharding", None)
+    replicated = None
+    if sharding is not None and len(sharding.device_set) > 1:
+        devices = sorted(sharding.device_set, key=lambda d: d.id)
+        replicated = jax.sharding.NamedSharding(
+            jax.sharding.Mesh(np.array(devices), ("d",)), jax.sharding.PartitionSpec())
+    return _sampler(replicated)(value, reference, sample=sample, trial_sample=trial_sample,
+                                extremes=extremes)
+
+
+#: statistics that are counts or sums over the sample (scaled to the leaf by :func:`completed`)
+EXTENSIVE = ("value_sq", "value_hist", "changed", "plane_nonzero", "born")
+
+
+def completed(
+    stats: Mapping[str, Any], dtype: Any, n: int, sample: int
+) -> tuple[Mapping[str, Any], int]:
+    """``(statistics, elements)`` to price a leaf of ``n`` elements with.
+
+    For a sampled leaf, the fetched sample statistics in units of the leaf: counts and sums
+    times the stride, priced on ``stride * sample_size`` elements (intensive results are
+    unchanged), with the leaf's largest buckets merged into the bucket tables
+    (:func:`with_top`), each as one element of the leaf. Unchanged for a leaf read whole.
+    """
     top = stats.get("top")
     if not top or not bool(stats["finite"]):
-        return stats
+        return stats, sample_size(n, sample)
+    stride = sample_stride(n, sample)
     wd = work_dtype(dtype)
     out = dict(stats)
-    out["value_table"] = with_top(stats["value_table"], top["value"], wd)
+    for key in EXTENSIVE:
+        if key in stats:
+            x = np.asarray(stats[key])
+            out[key] = x * (stride if np.issubdtype(x.dtype, np.integer) else float(stride))
+    out["value_table"] = with_top(stats["value_table"], top["value"], wd, stride)
     if "delta" in top:
-        out["delta_table"] = with_top(stats["delta_table"], top["delta"], wd)
-    return out
+        out["delta_table"] = with_top(stats["delta_table"], top["delta"], wd, stride)
+    return out, stride * sample_size(n, sample)
 
 
 def to_host(tree: Any) -> Any:
