@@ -410,9 +410,12 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
             _start_link(link, targets, threads)
         if n + 1 < len(links):  # the next link's pieces decode while this one finishes
             _start_link(links[n + 1], targets, threads)
-        values = _decode_link(link.link_dir, link.manifest, link.entries, targets, values,
-                              link.active, link.reader, threads, link.started)
-        link.started.clear()
+        try:
+            values = _decode_link(link.link_dir, link.manifest, link.entries, targets, values,
+                                  link.active, link.reader, threads, link.started)
+        finally:
+            link.started.clear()
+            link.reader.close()
         bytes_read += link.reader.bytes_read
     out = []
     final_dir = chain[-1][0]

@@ -8,8 +8,10 @@ and read with OS calls; URIs (``gs://``, ``s3://``) through ``etils.epath`` (see
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,8 @@ from orbax_lossy.errors import ChecksumError, FormatError, TruncatedError
 from orbax_lossy.format.envelope import (
     crc32,
     open_for_writing,
+    open_regular,
+    read_at,
     read_range,
     regular_file_size,
 )
@@ -136,6 +140,11 @@ class PayloadReader:
         else:
             self._root = abspath(root) if self._remote else os.path.realpath(os.fspath(root))
         self._sizes: dict[str, int] = {}
+        # one descriptor per local payload file, opened (and checked) on its first piece:
+        # a restore reads thousands of pieces from a few files, on many threads (os.pread
+        # on a shared descriptor); closed by close() (or when the reader is collected)
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
         self.bytes_read = 0
 
     def _path(self, name: str, where: str) -> str:
@@ -154,19 +163,49 @@ class PayloadReader:
         """Size of one payload file of this directory (a regular file), cached."""
         size = self._sizes.get(name)
         if size is None:
-            size = regular_file_size(self._path(name, where), f"{where}: payload file")
-            self._sizes[name] = size
+            if self._remote:
+                size = regular_file_size(self._path(name, where), f"{where}: payload file")
+                self._sizes[name] = size
+            else:
+                size = self._open(name, where)[1]
         return size
+
+    def _open(self, name: str, where: str) -> tuple[int, int]:
+        """``(fd, size)`` of a local payload file, opened once per reader."""
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is None:
+                fd, size = open_regular(self._path(name, where), f"{where}: payload file")
+                self._fds[name], self._sizes[name] = fd, size
+            return fd, self._sizes[name]
+
+    def close(self) -> None:
+        """Close the payload files this reader opened (it may be used again: they reopen)."""
+        with self._lock:
+            fds, self._fds = self._fds, {}
+            self._sizes.clear()
+        for fd in fds.values():
+            os.close(fd)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
     def read(self, ref: PieceRef, where: str) -> bytes:
         """The verified bytes of one piece (its range is checked against the file first)."""
         path = self._path(ref.file, where)
-        size = self.file_size(ref.file, where)
+        if self._remote:
+            size = self.file_size(ref.file, where)
+        else:
+            fd, size = self._open(ref.file, where)
         if ref.offset + ref.length > size:
             raise TruncatedError(
                 f"{where}: {path} has {size} bytes but a piece ends at {ref.offset + ref.length}"
             )
-        data = read_range(path, ref.offset, ref.length, f"{where}: payload file")
+        if self._remote:
+            data = read_range(path, ref.offset, ref.length, f"{where}: payload file")
+        else:
+            data = read_at(fd, ref.offset, ref.length, path)
         self.bytes_read += len(data)
         if len(data) != ref.length:
             raise TruncatedError(f"{where}: short read from {path}")
