@@ -8,7 +8,6 @@ and read with OS calls; URIs (``gs://``, ``s3://``) through ``etils.epath`` (see
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import threading
@@ -188,8 +187,10 @@ class PayloadReader:
             os.close(fd)
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:  # noqa: SIM105 (no module globals here: at interpreter exit they may be gone)
             self.close()
+        except Exception:
+            pass
 
     def read(self, ref: PieceRef, where: str) -> bytes:
         """The verified bytes of one piece (its range is checked against the file first)."""
