@@ -241,7 +241,7 @@ class FieldRead:
         for region in regions:
             out = self.arrays[region]
             if out is None:  # the region is exactly this piece
-                self.arrays[region] = data
+                self.arrays[region] = data if data.dtype == dtype else data.astype(dtype)
                 continue
             inter = grid.intersect(box, region)
             out[grid.local_slices(inter, region)] = data[grid.local_slices(inter, box)]
@@ -287,6 +287,7 @@ def _decode_all(reader, needed, codec, field, dtype, where, threads) -> dict:
         return {key: decode_piece(reader, p, codec, field, dtype, where)
                 for key, p in needed.items()}
     pool = piece_pool(threads)
+
     def serial(p):
         with blocks_on_this_thread():
             return decode_piece(reader, p, codec, field, dtype, where)
