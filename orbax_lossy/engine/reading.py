@@ -244,6 +244,7 @@ class FieldRead:
                 self.arrays[region] = data if data.dtype == dtype else data.astype(dtype)
                 continue
             inter = grid.intersect(box, region)
+            assert inter is not None  # regions were chosen by overlap
             out[grid.local_slices(inter, region)] = data[grid.local_slices(inter, box)]
 
     def result(self) -> dict[grid.Box, np.ndarray]:

@@ -367,7 +367,7 @@ BYTE_TABLE_MAX = 16
 
 
 @njit(nogil=True, cache=True)
-def byte_table(lut: np.ndarray, lut_bits: int, expand: np.ndarray, window_bits: int):
+def byte_table(lut: np.ndarray, lut_bits: int | np.integer, expand: np.ndarray, window_bits: int):
     """Per ``window_bits``-bit window: the output bytes of the whole codes it starts with
     (greedy, at most ``BYTE_TABLE_MAX`` bytes), as ``info[v] = bits_used | n_bytes << 8``
     and ``obytes[v * BYTE_TABLE_MAX:]``.
@@ -437,21 +437,21 @@ def tuple_tables(lens: np.ndarray, used: np.ndarray, k: int, window_bits: int):
     and ``info, obytes`` the ``byte_table``."""
     alpha = lens.size
     m = used.size
-    bits = 0
+    bits = np.int64(0)
     for s in range(alpha):
         bits = max(bits, np.int64(lens[s]))
     if bits == 0:
-        bits = 1
+        bits = np.int64(1)
     # canonical order (length, symbol): each length's entries start after the shorter ones
     count = np.zeros(16, np.int64)
     for s in range(alpha):
         count[lens[s]] += 1
     nxt = np.zeros(16, np.int64)
     p = 0
-    for ln in range(1, 16):
-        nxt[ln] = p
-        if ln <= bits:
-            p += count[ln] << (bits - ln)
+    for length in range(1, 16):
+        nxt[length] = p
+        if length <= bits:
+            p += count[length] << (bits - length)
     lut = np.zeros(1 << bits, np.int32)
     for s in range(alpha):
         ln = np.int64(lens[s])
