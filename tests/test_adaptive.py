@@ -330,18 +330,46 @@ def test_sampled_plan_matches_the_whole_leaf_plan_and_is_deterministic():
         assert plan == sampled.plan(paths, values, rs, is_base=is_base)
 
 
+def test_sampled_second_moment_trial_sees_elements_far_below_their_reference():
+    """The elementwise RMS of a delta codec on a second moment is dominated by a few elements
+    far below their reference; here none is in the trial sample. The sampled trial's estimate
+    must not be optimistic, and the codec the policy picks must meet the budget."""
+    from orbax_lossy.policy.adaptive.statistics import elementwise_rel_rms, sample_stride
+
+    rng = np.random.default_rng(5)
+    n, trial = 1 << 18, 1 << 11
+    ref = np.exp(rng.normal(-12, 1.5, n)).astype(np.float32)
+    value = ref * np.exp(rng.normal(0, 0.05, n)).astype(np.float32)
+    stride = sample_stride(n, trial)
+    far = np.arange(1, n, stride)[:12]  # positions 1 mod stride: never in the trial sample
+    value[far] = ref[far] * 1e-4
+    v, r = jnp.asarray(value), jnp.asarray(ref)
+    codecs = tuple(c for b in (2, 3, 4) for c in (LC(b), LC(b, domain="log")))
+    stats = jax.device_get(leaf_statistics(v, r, measured=codecs, measure="elementwise",
+                                           sample=1 << 12, trial_sample=trial))
+    for codec, t in zip(codecs, stats["trials"], strict=True):
+        recon = codec.device_encode(v, r).recon
+        real = float(elementwise_rel_rms(v, recon, r != 0))
+        assert float(t["elem_rel"]) >= 0.97 * real, (codec, float(t["elem_rel"]), real)
+    policy = AdaptivePolicy.create(stats_sample=1 << 12, trial_sample=trial)
+    (codec,) = policy.plan([("nu", "w")], [v], [r], is_base=False, roles=["second_moment"])
+    recon = codec.device_encode(v, r).recon if codec.needs_reference else v
+    assert float(elementwise_rel_rms(v, recon, r != 0)) <= 0.2, codec
+
+
 SHARDED_STATS = r"""
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from orbax_lossy.codecs.cluster import Cluster
+from orbax_lossy.codecs.lc import LC
 from orbax_lossy.policy.adaptive import leaf_statistics
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
 rng = np.random.default_rng(0)
 ref = jnp.asarray(np.exp(rng.normal(-12, 1, (256, 96))), jnp.float32)
 val = ref * 0.99 + jnp.asarray(np.exp(rng.normal(-14, 1, (256, 96))), jnp.float32)
-kw = dict(measured=(Cluster(4, domain="log"),), measure="elementwise", sample=4096,
+kw = dict(measured=(Cluster(4, domain="log"), LC(3)), measure="elementwise", sample=4096,
           trial_sample=1024)
 one = jax.device_get(leaf_statistics(val, ref, **kw))
 for spec in (P("a", "b"), P(None, "b"), P("b", None)):
