@@ -40,7 +40,12 @@ from orbax_lossy.format.schema import (
 from orbax_lossy.treepaths import StoredPath, path_str
 
 MANIFEST_NAME = "manifest.msgpack"
-DEFAULT_CHUNK_BYTES = 4 << 20
+#: raw bytes per chunk-grid cell that saves use by default: each cell is one piece per field,
+#: read, checksummed and decoded as a unit (a 256 MB 9-delta restore: 0.69-0.75 s with 4 MiB
+#: cells, 0.53-0.57 s with 16 MiB; same bytes, same commit time)
+DEFAULT_CHUNK_BYTES = 16 << 20
+#: the cell size of manifests that do not record one (written before chunk_bytes was stored)
+LEGACY_CHUNK_BYTES = 4 << 20
 # How a leaf is held and restored: a jax.Array, a numpy array, a numpy scalar ("scalar"),
 # a Python scalar, or None ("none": an empty uint8 array without payload).
 STORAGES = ("device", "numpy", "scalar", "int", "float", "bool", "none")
@@ -141,7 +146,7 @@ class Header:
             chain_length=get(d, "chain_length", int, where, 0),
             base_interval=get(d, "base_interval", int, where, 1),
             reference=reference if save_type == "delta" else None,
-            chunk_bytes=get(d, "chunk_bytes", int, where, DEFAULT_CHUNK_BYTES),
+            chunk_bytes=get(d, "chunk_bytes", int, where, LEGACY_CHUNK_BYTES),
             process_count=get(d, "process_count", int, where, 1),
             primary_host=get(d, "primary_host", int, where, 0),
             programs=get(d, "programs", str, where, "tree"),
