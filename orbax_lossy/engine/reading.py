@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import math
@@ -232,10 +233,8 @@ class FieldRead:
 
     def _place(self, p, regions: list[grid.Box], serial: bool = False) -> None:
         reader, codec, field, dtype = self._source
-        if serial:  # one piece per pool thread: its blocks stay on this thread
-            with blocks_on_this_thread():
-                data = decode_piece(reader, p, codec, field, dtype, self.where)
-        else:
+        # on a pool thread (one piece per thread) the piece's blocks stay on that thread
+        with blocks_on_this_thread() if serial else contextlib.nullcontext():
             data = decode_piece(reader, p, codec, field, dtype, self.where)
         box = tuple(map(tuple, p.box))
         for region in regions:
@@ -282,30 +281,13 @@ def assemble_field(
     return transfer.upload(shape, dtype, sharding, callback)
 
 
-def _decode_all(reader, needed, codec, field, dtype, where, threads) -> dict:
-    """Every needed piece decoded (on :func:`piece_pool` when several), by (file, offset)."""
-    if len(needed) <= 1 or threads <= 1:
-        return {key: decode_piece(reader, p, codec, field, dtype, where)
-                for key, p in needed.items()}
-    pool = piece_pool(threads)
-
-    def serial(p):
-        with blocks_on_this_thread():
-            return decode_piece(reader, p, codec, field, dtype, where)
-
-    futures = {key: pool.submit(serial, p) for key, p in needed.items()}
-    return {key: f.result() for key, f in futures.items()}
-
-
 def read_regions(
     reader, pieces, codec, field, dtype, shape, regions, where, threads
 ) -> np.ndarray:
     """A host array of ``shape`` holding ``field`` in ``regions`` (zeros elsewhere), read from
     the pieces that overlap them only (each piece read and decoded once, on ``threads``)."""
     out = np.zeros(tuple(shape), dtype)
-    needed = needed_pieces([p for p in pieces if p.field == field], regions)
-    cache = _decode_all(reader, needed, codec, field, dtype, where, threads)
-    for region in regions:
-        out[tuple(slice(a, b) for a, b in region)] = read_region(
-            reader, list(needed.values()), codec, field, dtype, region, cache, where)
+    arrays = FieldRead(reader, pieces, codec, field, dtype, regions, where).start(threads).result()
+    for region, data in arrays.items():
+        out[tuple(slice(a, b) for a, b in region)] = data
     return out
