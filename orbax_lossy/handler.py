@@ -25,6 +25,7 @@ from orbax_lossy.args import (
     validate_item,
     wrong_args,
 )
+from orbax_lossy.commit import commit_future
 from orbax_lossy.engine import restore as restoring
 from orbax_lossy.engine import save
 from orbax_lossy.engine.reference import (
@@ -206,8 +207,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             finally:
                 published.set()
 
-        return [ocp.future.CommitFutureAwaitingContractedSignals(commit(),
-                                                                 name="orbax_lossy_write")]
+        return [commit_future(commit(), name="orbax_lossy_write")]
 
     def _publish(self, request: save.SaveRequest, signature: Any,
                  running: save.Dispatched) -> None:

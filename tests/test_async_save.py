@@ -150,3 +150,50 @@ def test_typestr_and_registration():
                                            False)[0]]
     assert codecs[0].lossy and codecs[0].needs_reference  # the default compresses params
     ol.LossyRestore()  # every restore field is optional
+
+
+class RecordingHandler(ol.LossyCheckpointHandler):
+    """The real handler, recording the thread each commit publishes on; ``fail_at``: the
+    step whose commit raises while writing."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.commit_threads: list[threading.Thread] = []
+        self.fail_at: int | None = None
+
+    def _publish(self, *args, **kwargs):
+        self.commit_threads.append(threading.current_thread())
+        return super()._publish(*args, **kwargs)
+
+    def _write_files(self, directory, process, header, jobs):
+        if header.step == self.fail_at:
+            raise OSError(f"disk full while writing step {header.step}")
+        return super()._write_files(directory, process, header, jobs)
+
+
+def test_commits_run_on_persistent_workers_and_failures_surface(tmp_path, assert_bitwise):
+    """save() starts no thread per save: commits run on a pool whose threads outlive them
+    (Thread.start blocked save() for 1-4 ms), after Orbax's directory signals, and a
+    commit's exception still reaches wait_until_finished()."""
+    handler = RecordingHandler(EXACT_BASES, base_interval=5)
+    mngr = ol.checkpoint_manager(tmp_path, handler=handler, max_to_keep=None)
+    for step in range(3):
+        assert mngr.save(step, args=ol.LossySave(params_at(step)))
+        mngr.wait_until_finished()
+    assert len(handler.commit_threads) == 3
+    assert all(t.name.startswith("orbax_lossy_commit") for t in handler.commit_threads)
+    assert all(t.is_alive() for t in handler.commit_threads)  # pooled, not one per save
+    assert mngr.all_steps() == [0, 1, 2]
+    restored = ol.checkpoint_manager(tmp_path, max_to_keep=None).restore(2)
+    assert_bitwise(restored["host"], np.asarray(params_at(2)["host"]), "host leaf")
+
+    handler.fail_at = 3
+    mngr.save(3, args=ol.LossySave(params_at(3)))
+    with pytest.raises(OSError, match="disk full while writing step 3"):
+        mngr.wait_until_finished()
+    assert 3 not in mngr.all_steps()
+    handler.fail_at = None
+    assert mngr.save(4, args=ol.LossySave(params_at(4)))  # the failed save left a base next
+    mngr.wait_until_finished()
+    assert 4 in mngr.all_steps()
+    mngr.close()
