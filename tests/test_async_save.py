@@ -197,3 +197,46 @@ def test_commits_run_on_persistent_workers_and_failures_surface(tmp_path, assert
     mngr.wait_until_finished()
     assert 4 in mngr.all_steps()
     mngr.close()
+
+
+def test_cpu_leaves_are_held_without_a_copy_and_donation_waits(tmp_path, monkeypatch,
+                                                                 assert_bitwise):
+    """On CPU, save() copies nothing: it holds numpy views of the caller's buffers (zero-copy
+    arrays of the handler's own over them). Until the commit has dispatched its encode, a
+    program that donates the caller's array gets a copy instead (the array stays alive), and
+    the checkpoint holds the values of the save even if the caller deletes its array."""
+    from orbax_lossy.engine import save as save_engine
+    from orbax_lossy.engine import transfer
+
+    assert transfer.views_block_donation()
+    w = jnp.arange(256 * 64, dtype=jnp.float32).reshape(256, 64) * 1.0
+    v = jnp.full((64,), 3.0, jnp.float32)
+    jax.block_until_ready((w, v))
+    held = transfer.hold_on_host([w, v])
+    assert all(h is not None for h in held)
+    assert held[0].unsafe_buffer_pointer() == w.unsafe_buffer_pointer()  # zero-copy
+    old = {"w": np.array(w), "v": np.array(v)}
+    del held
+
+    gate = threading.Event()
+    dispatch = save_engine.dispatch_encode
+
+    def gated_dispatch(request):
+        assert gate.wait(60), "gate never opened"
+        return dispatch(request)
+
+    monkeypatch.setattr(save_engine, "dispatch_encode", gated_dispatch)
+    mngr = ol.checkpoint_manager(tmp_path, handler=ol.LossyCheckpointHandler(EXACT_BASES),
+                                 max_to_keep=None)
+    assert mngr.save(0, args=ol.LossySave({"w": w, "v": v}))
+    overwrite = jax.jit(lambda a: a * 0 + 7, donate_argnums=0)
+    new_w = overwrite(w)
+    assert float(new_w[0, 0]) == 7.0
+    assert not w.is_deleted()  # the donation was refused while the handler holds it
+    v.delete()  # the caller drops its array outright: the held memory stays valid
+    gate.set()
+    mngr.wait_until_finished()
+    restored = ol.checkpoint_manager(tmp_path, max_to_keep=None).restore(0)
+    assert_bitwise(restored["w"], old["w"], "w holds the saved values")
+    assert_bitwise(restored["v"], old["v"], "v holds the saved values")
+    mngr.close()

@@ -1,7 +1,8 @@
 """The save pipeline: secure inputs (blocking part), then encode and write (commit thread).
 
-0. Training thread (``async_save``): :func:`secure_copies` makes device copies the handler
-   owns (dispatched, nothing compiled, nothing waited for) and :func:`make_header` fixes the
+0. Training thread (``async_save``): :func:`secure_copies` secures inputs the handler owns
+   (on CPU zero-copy holds of ready leaves, elsewhere dispatched device copies; nothing
+   compiled, nothing waited for) and :func:`make_header` fixes the
    base/delta decision and the dependencies; together they form a :class:`SaveRequest`.
 1. :func:`dispatch_encode`: the policy's codec plan and the jitted encode program(s) over
    groups of leaves, plus the start of the device-to-host copies. In one process this runs in
@@ -115,19 +116,27 @@ def secure_copies(prepared: Sequence[Any], storages: Sequence[str]) -> list[Any]
     """Copies of the leaves that the handler owns, so the caller may donate or overwrite its
     arrays as soon as ``save()`` returns.
 
-    A device leaf is copied on its devices by ``jax.device_put(..., may_alias=False)``: an
-    asynchronous device-to-device copy per shard that compiles nothing and returns at once
-    (JAX orders a later donation of the original after the copy). A host leaf is copied now.
+    A ready device leaf on CPU devices is held without a copy (``transfer.hold_on_host``:
+    numpy views of its buffers make the runtime refuse their donation). Any other device leaf
+    is copied on its devices by ``jax.device_put(..., may_alias=False)``: an asynchronous
+    device-to-device copy per shard that compiles nothing and returns at once (JAX orders a
+    later donation of the original after the copy). A host leaf is copied now.
     """
-    on_device = [i for i, s in enumerate(storages) if s == "device"]
+    device_leaves = [i for i, s in enumerate(storages) if s == "device"]
+    held = dict(zip(device_leaves, transfer.hold_on_host([prepared[i] for i in device_leaves]),
+                    strict=True))
+    on_device = [i for i, h in held.items() if h is None]
     # one batched call for every device leaf (per-leaf calls cost ~0.5 ms each in dispatch)
     copies = jax.device_put([prepared[i] for i in on_device],
                             [prepared[i].sharding for i in on_device],
                             may_alias=False, donate=False)
-    out = [None if s == "device" else np.array(x, copy=True)
-           for x, s in zip(prepared, storages, strict=True)]
+    out: list[Any] = [None if s == "device" else np.array(x, copy=True)
+                      for x, s in zip(prepared, storages, strict=True)]
     for i, copy in zip(on_device, copies, strict=True):
         out[i] = copy
+    for i, hold in held.items():
+        if hold is not None:
+            out[i] = hold
     return out
 
 

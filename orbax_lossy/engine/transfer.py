@@ -147,3 +147,54 @@ def upload(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Shard
 
     return _unpack_words(shape, sharding)(
         jax.make_array_from_callback(words_shape, sharding, words))
+
+
+# ---------------------------------------------------------------------------- CPU holds
+
+
+@functools.lru_cache(maxsize=1)
+def views_block_donation() -> bool:
+    """Whether this runtime refuses to donate a CPU buffer that a numpy view references (the
+    donating program then copies its input) and keeps the viewed memory intact: probed once
+    per process on a tiny array (one small compilation, at handler construction)."""
+    try:
+        cpu = jax.local_devices(backend="cpu")[0]
+        x = jax.device_put(np.arange(64, dtype=np.float32), cpu) + 0
+        view = np.asarray(x)
+        y = jax.jit(lambda a: a * 2, donate_argnums=0)(x)
+        jax.block_until_ready(y)
+        return (not x.is_deleted() and bool(np.array_equal(view, np.arange(64)))
+                and bool(np.asarray(y)[3] == 6))
+    except Exception:  # no CPU backend, or donation errors out: copy instead
+        return False
+
+
+def hold_on_host(arrays: list[Any]) -> list[jax.Array | None]:
+    """Per array, a zero-copy array of the handler's own over its buffers, or None where that
+    is not safe (then the caller copies it).
+
+    On CPU devices an array's buffers are host memory. A numpy view of every shard is an
+    external reference: while it lives the runtime will not donate the buffer (a program the
+    caller runs with ``donate_argnums`` copies its input instead, as it must while plain
+    Orbax holds its own views) and deleting the array leaves the memory alive. The returned
+    arrays are built from those views without a copy (one batched ``device_put`` of aligned
+    numpy arrays on CPU aliases them) and keep them alive until the handler drops them.
+    Needs a ready array (a view of a pending one would wait for it) and
+    :func:`views_block_donation`.
+    """
+    out: list[jax.Array | None] = [None] * len(arrays)
+    held = [j for j, x in enumerate(arrays)
+            if all(getattr(d, "platform", None) == "cpu" for d in x.sharding.device_set)
+            and x.is_ready()]
+    if not held or not views_block_donation():
+        return out
+    shards = [(j, s) for j in held for s in arrays[j].addressable_shards]
+    views = jax.device_put([np.asarray(s.data) for _, s in shards], [s.device for _, s in shards])
+    by_array: dict[int, list[jax.Array]] = {j: [] for j in held}
+    for (j, _), view in zip(shards, views, strict=True):
+        by_array[j].append(view)
+    for j, parts in by_array.items():
+        x = arrays[j]
+        out[j] = (parts[0] if len(parts) == 1 and parts[0].sharding == x.sharding
+                  else jax.make_array_from_single_device_arrays(x.shape, x.sharding, parts))
+    return out
