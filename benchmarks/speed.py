@@ -94,7 +94,7 @@ def evolve(state: dict[str, Any], step: int) -> dict[str, Any]:
 
 def lossy_policy(config: str) -> ol.Policy | None:
     if config == "default":
-        return None  # ol.checkpoint_manager's default: LC(3) params, exact moments
+        return None  # ol.checkpoint_manager's default: LeafPolicy() (docs/whole_state.md)
     if config == "lc":
         return ol.LeafPolicy.create(defaults={
             "first_moment": ol.LC(3), "second_moment": ol.LC(3, domain="log")})
