@@ -309,3 +309,41 @@ def test_manifest_is_json_friendly_summary(tmp_path):
     json.dumps(summary)
     assert summary[1]["reference"]["step"] == 0
     assert isinstance(ocp.CheckpointManager(tmp_path).all_steps(), list)
+
+
+def test_restore_decodes_single_piece_fields_ahead_on_the_pool(tmp_path, monkeypatch,
+                                                                assert_bitwise):
+    """Every link's pieces are decoded on the piece pool ahead of its device program, also
+    when a field is one piece (small leaves): they used to be decoded on the restoring thread
+    when the link's program needed them, one after the other (64 MB 9-delta restore: 146 ->
+    111 ms on two cores)."""
+    import threading
+
+    from orbax_lossy.engine import reading
+
+    threads_seen: list[str] = []
+    decode_piece = reading.decode_piece
+
+    def recording(*args, **kwargs):
+        threads_seen.append(threading.current_thread().name)
+        return decode_piece(*args, **kwargs)
+
+    saver = ol.LossyCheckpointHandler(ol.LeafPolicy.create(defaults={"param": ol.LC(3)}),
+                                      encode_threads=2)
+    mngr = ol.checkpoint_manager(tmp_path, handler=saver, max_to_keep=None)
+    state = {"w": jnp.linspace(-1.0, 1.0, 64 * 64, dtype=jnp.float32).reshape(64, 64),
+             "b": jnp.ones((64,), jnp.float32)}
+    for step in range(3):
+        state = {k: v * 0.99 + 0.001 * step for k, v in state.items()}
+        mngr.save(step, args=ol.LossySave(state))
+    mngr.wait_until_finished()
+    reference = saver.reference_for("default")
+    expected = {path_str(p): np.asarray(v)
+                for p, v in zip(reference.paths, reference.values, strict=True)}
+    monkeypatch.setattr(reading, "decode_piece", recording)
+    handler = ol.LossyCheckpointHandler(encode_threads=2)
+    restored = ol.checkpoint_manager(tmp_path, handler=handler, max_to_keep=None).restore(2)
+    assert threads_seen and all(name.startswith("orbax_lossy_pieces") for name in threads_seen)
+    for name in ("w", "b"):  # the chain's closed-loop reconstruction, bit for bit
+        assert_bitwise(restored[name], expected[name], name)
+    mngr.close()

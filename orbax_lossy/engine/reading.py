@@ -221,10 +221,11 @@ class FieldRead:
             self._tasks.append((p, [r for r in regions if grid.intersect(p.box, r) is not None]))
         self._futures: list[concurrent.futures.Future] = []
 
-    def start(self, threads: int) -> FieldRead:
-        """Submit the pieces to :func:`piece_pool` (with several pieces and threads; else
-        they are decoded in :meth:`result`)."""
-        if len(self._tasks) > 1 and threads > 1:
+    def start(self, threads: int, ahead: bool = False) -> FieldRead:
+        """Submit the pieces to :func:`piece_pool` (with several threads, and several pieces
+        or ``ahead``: the result is needed only later, so even one piece decodes meanwhile;
+        else they are decoded in :meth:`result`, a lone piece's blocks on every thread)."""
+        if self._tasks and threads > 1 and (ahead or len(self._tasks) > 1):
             pool = piece_pool(threads)
             self._futures = [pool.submit(self._place, *task, serial=True)
                              for task in self._tasks]
@@ -257,11 +258,11 @@ class FieldRead:
 
 
 def start_field(reader, pieces, codec, field, dtype, shape, sharding, where,
-                threads) -> FieldRead:
+                threads, ahead: bool = False) -> FieldRead:
     """Start decoding the pieces of ``field`` that this process's shards on ``sharding``
-    overlap (see :class:`FieldRead`)."""
+    overlap (see :class:`FieldRead`; ``ahead``: its result is needed only later)."""
     return FieldRead(reader, pieces, codec, field, dtype, shard_regions(shape, sharding),
-                     where).start(threads)
+                     where).start(threads, ahead)
 
 
 def assemble_field(

@@ -309,7 +309,7 @@ def _start_link(link: _Link, targets: list[Any], threads: int) -> None:
             with stored_data(lw):
                 link.started[(k, name)] = reading.start_field(
                     link.reader, by_field.get(name, []), leaf.codec, name, fdtype, leaf.shape,
-                    sharding, lw, threads)
+                    sharding, lw, threads, ahead=True)
 
 
 def _decode_link(
