@@ -419,3 +419,29 @@ def test_multi_code_decoder_matches_single_code_decoder(probs) -> None:
             np.testing.assert_array_equal(one, many)
             if not trial:
                 np.testing.assert_array_equal(one[: sym.size], sym)
+
+
+@pytest.mark.parametrize("kind", ["tuple", "zrun"])
+def test_decoded_symbols_are_aligned_for_a_zero_copy_upload(kind):
+    """Decoded arrays start on 64 bytes, so XLA:CPU takes them as device buffers without a
+    copy (a restore uploads every decoded field)."""
+    import jax
+
+    from orbax_lossy.entropy import stream
+
+    rng = np.random.default_rng(3)
+    if kind == "zrun":  # one dominant symbol: the zero-run mode
+        symbols = np.where(rng.random(300_000) < 0.9, 0, rng.integers(1, 8, 300_000))
+    else:
+        symbols = rng.integers(0, 8, 300_000)
+    symbols = symbols.astype(np.uint8)
+    data = stream.encode_symbols(symbols)
+    assert data[0] == (stream.MODE_ZRUN if kind == "zrun" else stream.MODE_TUPLE)
+    out = stream.decode_symbols(data, symbols.size)
+    np.testing.assert_array_equal(out, symbols)
+    assert out.ctypes.data % stream.OUTPUT_ALIGNMENT == 0
+    on_device = jax.device_put(out, jax.local_devices(backend="cpu")[0])
+    assert on_device.unsafe_buffer_pointer() == out.ctypes.data  # aliased, not copied
+    region = stream.aligned_empty((7, 13), np.float32)
+    assert region.shape == (7, 13) and region.dtype == np.float32
+    assert region.flags.c_contiguous and region.ctypes.data % stream.OUTPUT_ALIGNMENT == 0

@@ -15,7 +15,7 @@ import numpy as np
 
 from orbax_lossy.engine import transfer
 from orbax_lossy.engine.targets import LeafTarget
-from orbax_lossy.entropy.stream import blocks_on_this_thread
+from orbax_lossy.entropy.stream import aligned_empty, blocks_on_this_thread
 from orbax_lossy.errors import FormatError, InvalidArgumentError, LossyError
 from orbax_lossy.format import grid
 from orbax_lossy.format.manifest import LeafEntry
@@ -216,7 +216,8 @@ class FieldRead:
                 raise FormatError(f"{where}: field {field!r} region {region} is not fully "
                                   "stored")
             whole = [p for p in needed.values() if tuple(map(tuple, p.box)) == region]
-            self.arrays[region] = None if whole else np.empty(grid.box_shape(region), dtype)
+            self.arrays[region] = None if whole else aligned_empty(grid.box_shape(region),
+                                                                   dtype)
         for p in needed.values():
             self._tasks.append((p, [r for r in regions if grid.intersect(p.box, r) is not None]))
         self._futures: list[concurrent.futures.Future] = []

@@ -358,7 +358,7 @@ def _decode_link(
         dtypes.append(leaf.dtype)
         shardings.append(sharding)
         fields.append(field_arrays)
-        sides.append({name: jnp.asarray(v) for name, v in leaf.side.items()})
+        sides.append(dict(leaf.side))  # numpy: the program's call transfers them at once
         refs.append(ref)
     if device_k:
         names = [entries[k].name for k in device_k]

@@ -85,6 +85,21 @@ _POOL_LOCK = threading.Lock()
 
 # ---------------------------------------------------------------------------- small helpers
 
+#: decoded arrays start on this boundary: XLA:CPU takes such a host array as a device buffer
+#: without copying it (a restore uploads its decoded fields with no copy on the CPU backend)
+OUTPUT_ALIGNMENT = 64
+
+
+def aligned_empty(shape: int | tuple[int, ...], dtype: np.dtype | type = np.uint8) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data starts on ``OUTPUT_ALIGNMENT`` bytes
+    (numpy's own allocations start 16 bytes into a block)."""
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + OUTPUT_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % OUTPUT_ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -351,7 +366,7 @@ def _decode_tuple(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
     lens, pos = huffman.deserialize_lengths(buf, pos, alpha)
     total_units = _ceil_div(n, k)
     units, offsets = _read_blocks(buf, pos, total_units)
-    out = np.empty(total_units * k, np.uint8)
+    out = aligned_empty(total_units * k)
 
     if _LITTLE_ENDIAN:  # the lengths are valid (deserialize_lengths), so no checks here
         lut, lut_bits, expand, info, obytes = K.tuple_tables(lens, used, k, K.BYTE_TABLE_BITS)
@@ -395,7 +410,7 @@ def _decode_zrun(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
     rlut, rbits = huffman.decode_table(rlens)
     llut, lbits = huffman.decode_table(llens)
     block, offsets = _read_blocks(buf, pos, n)
-    out = np.empty(n, np.uint8)
+    out = aligned_empty(n)
 
     decode = K.zrun_decode_fast if _LITTLE_ENDIAN else K.zrun_decode
 
