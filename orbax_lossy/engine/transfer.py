@@ -188,13 +188,22 @@ def hold_on_host(arrays: list[Any]) -> list[jax.Array | None]:
             and x.is_ready()]
     if not held or not views_block_donation():
         return out
-    shards = [(j, s) for j in held for s in arrays[j].addressable_shards]
-    views = jax.device_put([np.asarray(s.data) for _, s in shards], [s.device for _, s in shards])
+    try:
+        shards = [(j, s) for j in held for s in arrays[j].addressable_shards]
+        views = jax.device_put([np.asarray(s.data) for _, s in shards],
+                               [s.device for _, s in shards])
+    except Exception:  # a dtype or layout numpy cannot view: copy every leaf as before
+        return out
     by_array: dict[int, list[jax.Array]] = {j: [] for j in held}
     for (j, _), view in zip(shards, views, strict=True):
         by_array[j].append(view)
     for j, parts in by_array.items():
         x = arrays[j]
-        out[j] = (parts[0] if len(parts) == 1 and parts[0].sharding == x.sharding
-                  else jax.make_array_from_single_device_arrays(x.shape, x.sharding, parts))
+        if len(parts) == 1 and parts[0].sharding == x.sharding:
+            out[j] = parts[0]
+            continue
+        try:
+            out[j] = jax.make_array_from_single_device_arrays(x.shape, x.sharding, parts)
+        except Exception:  # a sharding that cannot be rebuilt from its shards: copy it
+            out[j] = None
     return out
