@@ -27,7 +27,7 @@ from orbax_lossy.args import (
 )
 from orbax_lossy.commit import commit_future
 from orbax_lossy.engine import restore as restoring
-from orbax_lossy.engine import save, transfer
+from orbax_lossy.engine import save
 from orbax_lossy.engine.reference import (
     ProtectedRoots,
     Reference,
@@ -91,7 +91,6 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._store = ReferenceStore()  # one chain per item name
         self.last_restore_bytes_read = 0
         self._last_save_stats: dict[str, Any] = {}
-        transfer.views_block_donation()  # probed here (compiles), not inside save()
 
     @classmethod
     def typestr(cls) -> str:

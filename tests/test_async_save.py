@@ -5,7 +5,10 @@ secured, so the caller may donate or overwrite its arrays at once; bad arguments
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -208,7 +211,10 @@ def test_cpu_leaves_are_held_without_a_copy_and_donation_waits(tmp_path, monkeyp
     from orbax_lossy.engine import save as save_engine
     from orbax_lossy.engine import transfer
 
-    assert transfer.views_block_donation()
+    deadline = time.monotonic() + 60
+    while not transfer.donation_probe():  # the first call starts the probe in the background
+        assert time.monotonic() < deadline, "views do not block donation on this runtime"
+        time.sleep(0.01)
     w = jnp.arange(256 * 64, dtype=jnp.float32).reshape(256, 64) * 1.0
     v = jnp.full((64,), 3.0, jnp.float32)
     jax.block_until_ready((w, v))
@@ -240,3 +246,20 @@ def test_cpu_leaves_are_held_without_a_copy_and_donation_waits(tmp_path, monkeyp
     assert_bitwise(restored["w"], old["w"], "w holds the saved values")
     assert_bitwise(restored["v"], old["v"], "v holds the saved values")
     mngr.close()
+
+
+def test_building_a_handler_leaves_jax_uninitialized():
+    """Handlers are built before ``jax.distributed.initialize()`` in multi-host scripts:
+    constructing one must not start JAX's backends (the CPU donation probe runs in the
+    background at the first save instead). Orbax's own CheckpointManager does start them."""
+    script = (
+        "from jax._src import xla_bridge\n"
+        "import orbax_lossy as ol\n"
+        "handler = ol.LossyCheckpointHandler(ol.AdaptivePolicy(), base_interval=5)\n"
+        "args = ol.LossySave({'w': [1.0, 2.0]})\n"
+        "assert not xla_bridge.backends_are_initialized(), 'backends started'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

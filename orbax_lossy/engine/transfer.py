@@ -19,9 +19,11 @@ the device (:func:`upload`), when every shard's slice of the last axis is whole 
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -156,7 +158,7 @@ def upload(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Shard
 def views_block_donation() -> bool:
     """Whether this runtime refuses to donate a CPU buffer that a numpy view references (the
     donating program then copies its input) and keeps the viewed memory intact: probed once
-    per process on a tiny array (one small compilation, at handler construction)."""
+    per process on a tiny array (one small compilation; see :func:`donation_probe`)."""
     try:
         cpu = jax.local_devices(backend="cpu")[0]
         x = jax.device_put(np.arange(64, dtype=np.float32), cpu) + 0
@@ -169,6 +171,29 @@ def views_block_donation() -> bool:
         return False
 
 
+_PROBE: concurrent.futures.Future | None = None
+_PROBE_LOCK = threading.Lock()
+
+
+def donation_probe() -> bool:
+    """:func:`views_block_donation` without waiting for it: the first call starts the probe
+    on a background thread and answers False (that save copies), later calls answer once it
+    is done. Neither handler construction (which may precede ``jax.distributed.initialize``)
+    nor ``save()`` compiles it."""
+    global _PROBE
+    with _PROBE_LOCK:
+        if _PROBE is None:
+            probe: concurrent.futures.Future = concurrent.futures.Future()
+            _PROBE = probe
+
+            def run() -> None:
+                probe.set_result(views_block_donation())  # catches every exception itself
+
+            threading.Thread(target=run, name="orbax_lossy_donation_probe", daemon=True).start()
+            return False
+    return _PROBE.done() and bool(_PROBE.result())
+
+
 def hold_on_host(arrays: list[Any]) -> list[jax.Array | None]:
     """Per array, a zero-copy array of the handler's own over its buffers, or None where that
     is not safe (then the caller copies it).
@@ -179,14 +204,14 @@ def hold_on_host(arrays: list[Any]) -> list[jax.Array | None]:
     Orbax holds its own views) and deleting the array leaves the memory alive. The returned
     arrays are built from those views without a copy (one batched ``device_put`` of aligned
     numpy arrays on CPU aliases them) and keep them alive until the handler drops them.
-    Needs a ready array (a view of a pending one would wait for it) and
-    :func:`views_block_donation`.
+    Needs a ready array (a view of a pending one would wait for it) and a finished
+    :func:`donation_probe` that found views block donation.
     """
     out: list[jax.Array | None] = [None] * len(arrays)
     held = [j for j, x in enumerate(arrays)
             if all(getattr(d, "platform", None) == "cpu" for d in x.sharding.device_set)
             and x.is_ready()]
-    if not held or not views_block_donation():
+    if not held or not donation_probe():
         return out
     try:
         shards = [(j, s) for j in held for s in arrays[j].addressable_shards]
