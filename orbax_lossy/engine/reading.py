@@ -119,36 +119,12 @@ def pieces_by_field(pieces) -> dict[str, list]:
     return out
 
 
-def read_region(reader, pieces, codec, field, dtype, region, cache, where) -> np.ndarray:
-    """The values of ``field`` in ``region``, from the pieces that overlap it (each decoded
-    once per ``cache``). Raises FormatError unless the pieces cover the region."""
+def read_region(reader, pieces, codec, field, dtype, region, where) -> np.ndarray:
+    """The values of ``field`` in ``region``, from the pieces that overlap it (a
+    :class:`FieldRead` of one region, decoded on this thread). Raises FormatError unless
+    the pieces cover the region."""
     box = tuple(map(tuple, region))
-    whole = [p for p in pieces if p.field == field and tuple(map(tuple, p.box)) == box]
-    if whole:  # one piece is exactly the region: handed over without a copy
-        p = whole[0]
-        data = cache.get((p.file, p.offset))
-        if data is None:
-            data = decode_piece(reader, p, codec, field, dtype, where)
-        if data.dtype == dtype:
-            return data
-    out = np.empty(grid.box_shape(region), dtype)
-    covered = 0
-    for p in pieces:
-        if p.field != field:
-            continue
-        inter = grid.intersect(p.box, region)
-        if inter is None:
-            continue
-        key = (p.file, p.offset)
-        data = cache.get(key)
-        if data is None:
-            data = decode_piece(reader, p, codec, field, dtype, where)
-            cache[key] = data
-        out[grid.local_slices(inter, region)] = data[grid.local_slices(inter, p.box)]
-        covered += math.prod(grid.box_shape(inter))
-    if covered != math.prod(grid.box_shape(region)):
-        raise FormatError(f"{where}: field {field!r} region {region} is not fully stored")
-    return out
+    return FieldRead(reader, pieces, codec, field, dtype, [box], where).result()[box]
 
 
 def decode_piece(reader, p, codec, field, dtype, where) -> np.ndarray:

@@ -334,7 +334,7 @@ def _decode_link(
             with stored_data(lw):
                 out[k] = reading.read_region(
                     reader, leaf.pieces, codec, "raw", leaf.dtype,
-                    tuple((0, d) for d in leaf.shape), {}, lw,
+                    tuple((0, d) for d in leaf.shape), lw,
                 )
             continue
         _check_side(leaf, lw)

@@ -154,8 +154,7 @@ def upload(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Shard
 # ---------------------------------------------------------------------------- CPU holds
 
 
-@functools.lru_cache(maxsize=1)
-def views_block_donation() -> bool:
+def _views_block_donation() -> bool:
     """Whether this runtime refuses to donate a CPU buffer that a numpy view references (the
     donating program then copies its input) and keeps the viewed memory intact: probed once
     per process on a tiny array (one small compilation; see :func:`donation_probe`)."""
@@ -176,7 +175,7 @@ _PROBE_LOCK = threading.Lock()
 
 
 def donation_probe() -> bool:
-    """:func:`views_block_donation` without waiting for it: the first call starts the probe
+    """``_views_block_donation`` without waiting for it: the first call starts the probe
     on a background thread and answers False (that save copies), later calls answer once it
     is done. Neither handler construction (which may precede ``jax.distributed.initialize``)
     nor ``save()`` compiles it."""
@@ -187,7 +186,7 @@ def donation_probe() -> bool:
             _PROBE = probe
 
             def run() -> None:
-                probe.set_result(views_block_donation())  # catches every exception itself
+                probe.set_result(_views_block_donation())  # catches every exception itself
 
             threading.Thread(target=run, name="orbax_lossy_donation_probe", daemon=True).start()
             return False

@@ -346,7 +346,7 @@ class _Context:
                                                                                  expert)
             reader = payload.PayloadReader(d)
             raw = reading.read_region(reader, entry.pieces, entry.codec, "raw", entry.dtype,
-                                      tuple((0, n) for n in entry.shape), {},
+                                      tuple((0, n) for n in entry.shape),
                                       f"{d}: {META_NAME}")
             self._count(step, reader.bytes_read)
             self._metas[step] = json.loads(bytes(np.asarray(raw, np.uint8)).decode())
