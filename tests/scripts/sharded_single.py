@@ -237,7 +237,7 @@ def main(out_dir: str) -> None:
         pieces = [fmt.PieceRef.from_msgpack(p, "w") for p in wleaf["pieces"]]
         reader = fmt.PayloadReader(step_dir)
         needed = [p for p in pieces if fmt.intersect(p.box, box) is not None]
-        _read_region(reader, needed, codec, "raw", np.float32, box, {}, "w")
+        _read_region(reader, needed, codec, "raw", np.float32, box, "w")
         partial[label] = {"bytes_read": reader.bytes_read, "payload": w_payload, "frac": frac}
         if reader.bytes_read > 1.1 * frac * w_payload + 64:
             raise AssertionError(f"{label}: read {reader.bytes_read} of {w_payload}")
