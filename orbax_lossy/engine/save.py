@@ -147,7 +147,6 @@ def make_header(
     base_interval: int,
     chunk_bytes: int,
     primary_host: int,
-    per_leaf: bool,
     extra_dependencies: Sequence[int] = (),
     empty_nodes: Sequence[tuple[StoredPath, str]] = (),
 ) -> Header:
@@ -164,7 +163,7 @@ def make_header(
         chunk_bytes=chunk_bytes,
         process_count=jax.process_count(),
         primary_host=primary_host,
-        programs="per_leaf" if per_leaf else "tree",
+        programs="per_leaf",
         save_id=save_id(),
         extra_dependencies=tuple(int(s) for s in extra_dependencies),
         empty_nodes=tuple(empty_nodes),
@@ -216,7 +215,8 @@ def dispatch_encode(req: SaveRequest) -> Dispatched:
     on every process (their reductions are collectives). Does not wait for results, except
     what the policy itself reads (an adaptive policy's statistics).
     """
-    prepared, storages, key_impls, ref = req.values, req.storages, req.key_impls, req.ref
+    prepared = [device.strong(x) for x in req.values]
+    storages, key_impls, ref = req.storages, req.key_impls, req.ref
     is_base = ref is None
     codec_leaves = [
         i for i, s in enumerate(storages) if s == "device" and key_impls[i] is None
@@ -227,7 +227,7 @@ def dispatch_encode(req: SaveRequest) -> Dispatched:
             r = ref.values[i]
             if isinstance(r, np.ndarray):
                 r = jax.device_put(r, prepared[i].sharding)
-            refs[i] = r
+            refs[i] = device.strong(r)
     plan: list[Codec] = [Exact() for _ in prepared]
     chosen = req.policy.plan(
         [req.paths[i] for i in codec_leaves],
@@ -243,7 +243,7 @@ def dispatch_encode(req: SaveRequest) -> Dispatched:
     device_leaves = [i for i, s in enumerate(storages) if s == "device"]
     encoded = device.run_grouped(
         device.encode_tree,
-        bool(req.policy.plan_varies),
+        True,
         [prepared[i] for i in device_leaves],
         [refs[i] for i in device_leaves],
         plan=tuple(plan[i] for i in device_leaves),

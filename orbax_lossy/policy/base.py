@@ -76,12 +76,6 @@ def check_role(role: str, where: str) -> str:
 class Policy(Protocol):
     """What the handler reads from a policy: one codec per device leaf, per save."""
 
-    @property
-    def plan_varies(self) -> bool:
-        """True when plans change from save to save (the handler then compiles its programs
-        per leaf, cached by leaf shape and codec, rather than one per whole-tree plan)."""
-        ...
-
     def plan(
         self,
         paths: Sequence[StoredPath],

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
 
 import jax
 import numpy as np
@@ -81,9 +80,6 @@ def _selector(selector: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class LeafPolicy:
     """Static per-leaf codec choice (see the module docstring)."""
-
-    #: the same plan for the same tree on every save
-    plan_varies: ClassVar[bool] = False
 
     rules: tuple[tuple[str, Codec], ...] = ()
     defaults: tuple[tuple[str, Codec], ...] = tuple(DEFAULT_ROLE_CODECS.items())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -111,10 +111,6 @@ class AdaptivePolicy:
       candidates: ``(role, codecs)`` pairs replacing a role's default candidates (any
         registered codecs, in tie order; ``Exact()`` is always a candidate).
     """
-
-    #: the plan changes from save to save, so the handler encodes leaf by leaf (compiled
-    #: programs are then cached per leaf shape and codec, not per whole-tree plan)
-    plan_varies: ClassVar[bool] = True
 
     budgets: tuple[tuple[str, float], ...] = tuple(DEFAULT_BUDGETS.items())
     progress_budgets: tuple[tuple[str, float], ...] = tuple(DEFAULT_PROGRESS_BUDGETS.items())
