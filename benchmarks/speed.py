@@ -24,6 +24,7 @@ Also the device encode throughput of the jitted program alone for LC(3) float32.
 
     python benchmarks/speed.py                 # 64 MB and 256 MB
     python benchmarks/speed.py --sizes 64,256,1024 --configs default,lc
+    python benchmarks/speed.py --sizes 64 --leaves 120   # 360 leaves, as a 12-layer model
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ import orbax.checkpoint as ocp
 import orbax_lossy as ol
 
 MB = 1 << 20
-LEAVES_PER_TREE = 4
+#: leaves per tree (params, mu, nu): ``--leaves`` (the environment carries it to the
+#: fresh-process children); many small leaves show per-leaf costs that 4 big ones hide
+LEAVES_PER_TREE = int(os.environ.get("ORBAX_LOSSY_SPEED_LEAVES", "4"))
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -352,7 +355,13 @@ def main() -> None:
     parser.add_argument("--restores", type=int, default=3, help="restore repeats per config")
     parser.add_argument("--no-fresh", action="store_true", help="skip the fresh-process saves")
     parser.add_argument("--encode-only", action="store_true", help="only device encode GB/s")
+    parser.add_argument("--leaves", type=int, default=LEAVES_PER_TREE,
+                        help="leaves per tree (params, mu and nu each)")
     args = parser.parse_args()
+    if args.leaves != LEAVES_PER_TREE:  # re-run with it in the environment (children too)
+        os.environ["ORBAX_LOSSY_SPEED_LEAVES"] = str(args.leaves)
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    print(f"{3 * LEAVES_PER_TREE} leaves")
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs")
     print(f"device encode, LC(3) float32 delta, 64 MB: {device_encode_gbps():.2f} GB/s")
     if args.encode_only:
