@@ -1,8 +1,9 @@
-"""The device halves of all codecs, fused into one jitted program per direction.
+"""The device halves of all codecs, as jitted programs over a list of leaves.
 
-``encode_tree`` runs every leaf's ``device_encode`` in a single compiled XLA program (not one
-dispatch per leaf). The codec plan and the input shardings are static arguments, so a second
-save with the same shapes, dtypes, shardings and codecs reuses the compiled program.
+``encode_tree`` runs the ``device_encode`` of the leaves it is given in one compiled XLA
+program; saves give it one leaf at a time (:func:`run_grouped`), so a program is compiled once
+per class of leaves (shape, dtype, sharding, codec) and reused by every leaf of that class and
+every later save. The codec plan and the input shardings are static arguments.
 Elementwise outputs (codec fields and the reconstruction) are constrained to the input's
 sharding, so a sharded leaf is never gathered onto one device; per-leaf statistics reduce
 globally, which makes the codec choices identical on every process.
@@ -146,9 +147,9 @@ decode_owned_tree = jax.jit(_decode_tree, static_argnames=("plan", "dtypes", "sh
                             donate_argnums=(2,))
 
 
-#: a whole-tree program covers leaves of at most about this many input bytes: XLA:CPU keeps
-#: every leaf's temporaries (about 3 leaf sizes for LC/Cluster encodes) live for the whole
-#: program, so one program over a large state would hold 3 extra copies of it at once
+#: checkpoints of the ``"tree"`` program layout (written before per-class programs) were
+#: encoded, and are decoded, over groups of leaves of at most about this many input bytes
+#: (XLA:CPU keeps every leaf's temporaries live for the whole program)
 GROUP_BYTES = 64 << 20
 #: ... and of at most an eighth of the tree, unless that is below this (small trees stay one
 #: program), so the temporaries stay a fraction of the state at every size
