@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import orbax_lossy as ol
 from orbax_lossy.engine import device
@@ -53,3 +54,45 @@ def test_saves_compile_one_program_per_class_of_leaves(tmp_path) -> None:
         mngr.close()
     # base: Cluster(8) on both shapes; deltas: Cluster(3, delta) on both shapes
     assert counts == [2] + [4] * 9, counts
+
+
+def test_per_leaf_programs_run_on_the_leaf_pool_and_their_failures_surface(
+        tmp_path, monkeypatch, assert_bitwise) -> None:
+    """A single-process save runs its per-leaf encode programs on the leaf pool's threads
+    (not one after another on the commit thread); an exception in one of them fails that
+    save in ``wait_until_finished`` and the next save is a base that restores."""
+    import threading
+
+    from orbax_lossy.format.manifest import read_manifest
+
+    rng = np.random.default_rng(2)
+    state = _pairs(6, rng)
+    threads: set[str] = set()
+    real = device.encode_tree
+    fail = {"on": False}
+
+    def recording(values, references, **statics):
+        threads.add(threading.current_thread().name)
+        if fail["on"] and values[0].shape == (8,):
+            raise RuntimeError("injected encode failure")
+        return real(values, references, **statics)
+
+    monkeypatch.setattr(device, "encode_tree", recording)
+    mngr = ol.checkpoint_manager(tmp_path, max_to_keep=None,
+                                 policy=ol.LeafPolicy.create(base_defaults={"param": ol.Exact()}))
+    mngr.save(0, args=ol.LossySave(state))
+    mngr.wait_until_finished()
+    assert threads and all(t.startswith("orbax_lossy_encode") for t in threads), threads
+    fail["on"] = True
+    mngr.save(1, args=ol.LossySave(jax.tree.map(lambda x: x + 1e-3, state)))
+    with pytest.raises(RuntimeError, match="injected encode failure"):
+        mngr.wait_until_finished()
+    fail["on"] = False
+    later = jax.tree.map(lambda x: x + 2e-3, state)
+    mngr.save(2, args=ol.LossySave(later))
+    mngr.wait_until_finished()
+    assert read_manifest(tmp_path / "2" / "default").header.save_type == "base"
+    restored = mngr.restore(2)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(later), strict=True):
+        assert_bitwise(np.asarray(a), np.asarray(b))
+    mngr.close()

@@ -11,7 +11,9 @@ globally, which makes the codec choices identical on every process.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import concurrent.futures
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 
 from orbax_lossy.codecs.base import Codec
 from orbax_lossy.codecs.same import bits_equal
+from orbax_lossy.threads import available_cores
 
 
 def _constrain(x: jax.Array, sharding: jax.sharding.Sharding | None) -> jax.Array:
@@ -203,6 +206,41 @@ def run_grouped(fn, per_leaf: bool, *lists: list[Any], **statics: tuple[Any, ...
         out.extend(fn(*[[arg[j] for j in group] for arg in lists],
                       **{k: tuple(v[j] for j in group) for k, v in statics.items()}))
     return out
+
+
+_LEAF_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_LEAF_POOL_LOCK = threading.Lock()
+
+
+def leaf_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The process-wide workers that run the per-leaf encode programs of single-process saves
+    (one per core). XLA:CPU runs a small program inside the call that dispatches
+    it, so a loop of per-leaf calls on one thread would run them one after another on one
+    core (and a commit's entropy coding would start only after the last); on these workers
+    the programs use every core, and a save codes each leaf as soon as its program is done."""
+    global _LEAF_POOL
+    with _LEAF_POOL_LOCK:
+        if _LEAF_POOL is None:
+            _LEAF_POOL = concurrent.futures.ThreadPoolExecutor(
+                available_cores(), thread_name_prefix="orbax_lossy_encode")
+        return _LEAF_POOL
+
+
+class Pending(Sequence):
+    """Per leaf, a result computed on :func:`leaf_pool`, waited for when it is read (an
+    exception of the leaf's program is raised there)."""
+
+    def __init__(self, futures: Sequence[concurrent.futures.Future],
+                 part: Callable[[Any], Any] = lambda r: r) -> None:
+        self._futures, self._part = list(futures), part
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+    def __getitem__(self, j: Any) -> Any:
+        if isinstance(j, slice):
+            return [self[k] for k in range(*j.indices(len(self)))]
+        return self._part(self._futures[j].result())
 
 
 def strong(x: Any) -> Any:

@@ -203,9 +203,19 @@ class Dispatched:
 
     plan: list[Codec]
     device_leaves: list[int]
-    encoded: list[dict[str, Any]]
+    encoded: Sequence[dict[str, Any]]  # a list, or device.Pending (single process)
     # per device leaf, its fields' replica-0 shards on their way to the host
-    copies: list[dict[str, list[tuple[grid.Box, transfer.HostCopy]]]]
+    copies: Sequence[dict[str, list[tuple[grid.Box, transfer.HostCopy]]]]
+
+
+def _host_copies(out: dict[str, Any]) -> dict[str, list[tuple[grid.Box, transfer.HostCopy]]]:
+    return {name: [(box, transfer.HostCopy(data)) for box, data in _replica0_shards(arr)]
+            for name, arr in out["fields"].items()}
+
+
+def _encode_leaf(value: Any, ref: Any, codec: Codec, sharding: Any) -> tuple[dict, dict]:
+    out = device.encode_tree([value], [ref], plan=(codec,), shardings=(sharding,))[0]
+    return out, _host_copies(out)
 
 
 def dispatch_encode(req: SaveRequest) -> Dispatched:
@@ -241,17 +251,21 @@ def dispatch_encode(req: SaveRequest) -> Dispatched:
             raise LossyError(f"policy chose delta codec {codec} for a base save")
         plan[i] = codec
     device_leaves = [i for i, s in enumerate(storages) if s == "device"]
-    encoded = device.run_grouped(
-        device.encode_tree,
-        True,
-        [prepared[i] for i in device_leaves],
-        [refs[i] for i in device_leaves],
-        plan=tuple(plan[i] for i in device_leaves),
-        shardings=tuple(prepared[i].sharding for i in device_leaves),
-    )
-    copies = [{name: [(box, transfer.HostCopy(data)) for box, data in _replica0_shards(arr)]
-               for name, arr in out["fields"].items()} for out in encoded]
-    return Dispatched(plan, device_leaves, encoded, copies)
+    if jax.process_count() > 1:  # collectives: the same programs in the same order everywhere
+        encoded = device.run_grouped(
+            device.encode_tree,
+            True,
+            [prepared[i] for i in device_leaves],
+            [refs[i] for i in device_leaves],
+            plan=tuple(plan[i] for i in device_leaves),
+            shardings=tuple(prepared[i].sharding for i in device_leaves),
+        )
+        return Dispatched(plan, device_leaves, encoded, [_host_copies(o) for o in encoded])
+    pool = device.leaf_pool()
+    futures = [pool.submit(_encode_leaf, prepared[i], refs[i], plan[i], prepared[i].sharding)
+               for i in device_leaves]
+    return Dispatched(plan, device_leaves, device.Pending(futures, lambda r: r[0]),
+                      device.Pending(futures, lambda r: r[1]))
 
 
 def release_inputs(req: SaveRequest) -> None:
