@@ -96,3 +96,54 @@ def test_per_leaf_programs_run_on_the_leaf_pool_and_their_failures_surface(
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(later), strict=True):
         assert_bitwise(np.asarray(a), np.asarray(b))
     mngr.close()
+
+
+_ORDERED = r"""
+import os, sys, json, threading
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import orbax_lossy as ol
+from orbax_lossy.engine import device
+threads, real = [], device.encode_tree
+def recording(values, references, **statics):
+    threads.append(threading.current_thread().name)
+    return real(values, references, **statics)
+device.encode_tree = recording
+mesh = Mesh(np.array(jax.devices()), ("a",))
+out = {}
+for name, sharded in (("single", False), ("sharded", True)):
+    state = {f"v{i}": jnp.full((8, 16), float(i + 1)) for i in range(4)}
+    if sharded:
+        state["w"] = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("a")))
+    mngr = ol.checkpoint_manager(os.path.join(sys.argv[1], name))
+    threads.clear()
+    for step in range(2):
+        mngr.save(step, args=ol.LossySave(jax.tree.map(lambda x: x * (1 + step / 8), state)))
+        mngr.wait_until_finished()
+    restored = mngr.restore(1)
+    assert set(restored) == set(state)
+    out[name] = sorted({"pool" if t.startswith("orbax_lossy_encode") else t for t in threads})
+    mngr.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_programs_over_several_devices_are_dispatched_in_one_order(tmp_path) -> None:
+    """A tree with a leaf sharded over several devices (its program has collectives) runs
+    every encode program on one thread in leaf order; a tree of single-device leaves uses
+    the leaf pool."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", _ORDERED, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    threads = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert threads["single"] == ["pool"], threads
+    assert "pool" not in threads["sharded"] and len(threads["sharded"]) >= 1, threads

@@ -217,7 +217,8 @@ def leaf_pool() -> concurrent.futures.ThreadPoolExecutor:
     (one per core). XLA:CPU runs a small program inside the call that dispatches
     it, so a loop of per-leaf calls on one thread would run them one after another on one
     core (and a commit's entropy coding would start only after the last); on these workers
-    the programs use every core, and a save codes each leaf as soon as its program is done."""
+    the programs use every core, and a save codes each leaf as soon as its program is done.
+    Only for programs on one device each (no collectives)."""
     global _LEAF_POOL
     with _LEAF_POOL_LOCK:
         if _LEAF_POOL is None:

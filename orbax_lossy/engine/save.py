@@ -251,7 +251,11 @@ def dispatch_encode(req: SaveRequest) -> Dispatched:
             raise LossyError(f"policy chose delta codec {codec} for a base save")
         plan[i] = codec
     device_leaves = [i for i, s in enumerate(storages) if s == "device"]
-    if jax.process_count() > 1:  # collectives: the same programs in the same order everywhere
+    # Programs with collectives (several processes, or a leaf sharded over several devices)
+    # are dispatched in one order: from two threads they could be enqueued in different
+    # orders on different devices and wait for each other.
+    if jax.process_count() > 1 or any(len(prepared[i].sharding.device_set) > 1
+                                      for i in device_leaves):
         encoded = device.run_grouped(
             device.encode_tree,
             True,
