@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -50,3 +51,20 @@ def assert_bitwise():
         np.testing.assert_array_equal(a, e, err_msg=msg)
 
     return check
+
+
+@pytest.fixture
+def run_cpu_script():
+    """``run(args, timeout)``: ``python *args`` in a fresh CPU-only process (without this
+    process's ``XLA_FLAGS``, so a script can set its own device count); returns its stdout
+    and fails the test with its stderr when it exits non-zero."""
+
+    def run(args: list[str], timeout: float = 300) -> str:
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env.pop("XLA_FLAGS", None)
+        proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc.stdout
+
+    return run

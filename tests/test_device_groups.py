@@ -130,20 +130,14 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-def test_programs_over_several_devices_are_dispatched_in_one_order(tmp_path) -> None:
+def test_programs_over_several_devices_are_dispatched_in_one_order(tmp_path,
+                                                                   run_cpu_script) -> None:
     """A tree with a leaf sharded over several devices (its program has collectives) runs
     every encode program on one thread in leaf order; a tree of single-device leaves uses
     the leaf pool."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-c", _ORDERED, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    threads = json.loads(proc.stdout.strip().splitlines()[-1])
+    stdout = run_cpu_script(["-c", _ORDERED, str(tmp_path)])
+    threads = json.loads(stdout.strip().splitlines()[-1])
     assert threads["single"] == ["pool"], threads
     assert "pool" not in threads["sharded"] and len(threads["sharded"]) >= 1, threads

@@ -161,17 +161,10 @@ print(json.dumps(packed))
 """
 
 
-def test_sharded_transfers_on_eight_devices(tmp_path):
+def test_sharded_transfers_on_eight_devices(tmp_path, run_cpu_script):
     import json
-    import subprocess
-    import sys
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-c", SHARDED, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    packed = json.loads(proc.stdout.strip().splitlines()[-1])
+    packed = json.loads(run_cpu_script(["-c", SHARDED, str(tmp_path)]).strip().splitlines()[-1])
     # whole words per shard: packed; 12 columns over 2 shards (6 bytes each): plain bytes
     assert packed == {"(16, 64)": True, "(16, 12)": False, "(8, 16)": True,
                       "(16, 8)": True, "(10, 32)": True}
