@@ -186,15 +186,15 @@ def leaf_groups(sizes: Sequence[int], budget: int | None = None) -> list[range]:
 
 
 def run_grouped(fn, per_leaf: bool, *lists: list[Any], **statics: tuple[Any, ...]) -> list[Any]:
-    """Run a tree program once per leaf, or over groups of leaves.
+    """Run a tree program once per leaf, or over groups of leaves (the restore's decode
+    programs, in the layout the checkpoint was written with).
 
-    Saves run one program per leaf (``per_leaf``), compiled once per *class* of leaves (shape,
-    dtype, sharding, codec) and cached: a transformer's layers share a handful of programs, so
-    the first save of a 12-layer AdamW state (361 leaves) compiles 15 programs in ~10 s,
-    where one program over the whole tree took ~47 s to compile (its compile time grows with
-    the number of leaves), and a plan that changes from save to save (adaptive policies)
-    recompiles nothing it has seen. Checkpoints written with whole-tree programs (layout
-    ``"tree"``) decode with the same groups of leaves (:func:`leaf_groups`) as before.
+    Saves encode one leaf per program (``save.dispatch_encode``), compiled once per *class* of
+    leaves (shape, dtype, sharding, codec): a 12-layer AdamW state (361 leaves) compiles 15
+    programs in ~10 s, where one program over the whole tree took ~47 s (compile time grows
+    with the number of leaves), and a plan that changes from save to save (adaptive
+    policies) recompiles nothing it has seen. Checkpoints written with whole-tree programs
+    (layout ``"tree"``) decode with the same groups of leaves (:func:`leaf_groups`).
     """
     n = len(lists[0])
     groups = ([range(j, j + 1) for j in range(n)] if per_leaf
@@ -232,15 +232,13 @@ class Pending(Sequence):
     exception of the leaf's program is raised there)."""
 
     def __init__(self, futures: Sequence[concurrent.futures.Future],
-                 part: Callable[[Any], Any] = lambda r: r) -> None:
+                 part: Callable[[Any], Any]) -> None:
         self._futures, self._part = list(futures), part
 
     def __len__(self) -> int:
         return len(self._futures)
 
-    def __getitem__(self, j: Any) -> Any:
-        if isinstance(j, slice):
-            return [self[k] for k in range(*j.indices(len(self)))]
+    def __getitem__(self, j: Any) -> Any:  # an int: the results are read one by one
         return self._part(self._futures[j].result())
 
 

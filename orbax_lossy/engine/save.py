@@ -254,20 +254,12 @@ def dispatch_encode(req: SaveRequest) -> Dispatched:
     # Programs with collectives (several processes, or a leaf sharded over several devices)
     # are dispatched in one order: from two threads they could be enqueued in different
     # orders on different devices and wait for each other.
+    jobs = [(prepared[i], refs[i], plan[i], prepared[i].sharding) for i in device_leaves]
     if jax.process_count() > 1 or any(len(prepared[i].sharding.device_set) > 1
                                       for i in device_leaves):
-        encoded = device.run_grouped(
-            device.encode_tree,
-            True,
-            [prepared[i] for i in device_leaves],
-            [refs[i] for i in device_leaves],
-            plan=tuple(plan[i] for i in device_leaves),
-            shardings=tuple(prepared[i].sharding for i in device_leaves),
-        )
-        return Dispatched(plan, device_leaves, encoded, [_host_copies(o) for o in encoded])
-    pool = device.leaf_pool()
-    futures = [pool.submit(_encode_leaf, prepared[i], refs[i], plan[i], prepared[i].sharding)
-               for i in device_leaves]
+        done = [_encode_leaf(*job) for job in jobs]
+        return Dispatched(plan, device_leaves, [d[0] for d in done], [d[1] for d in done])
+    futures = [device.leaf_pool().submit(_encode_leaf, *job) for job in jobs]
     return Dispatched(plan, device_leaves, device.Pending(futures, lambda r: r[0]),
                       device.Pending(futures, lambda r: r[1]))
 
