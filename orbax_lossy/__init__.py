@@ -5,6 +5,7 @@ from orbax_lossy.codecs.bitmask import Bitmask
 from orbax_lossy.codecs.cluster import Cluster
 from orbax_lossy.codecs.exact import Exact
 from orbax_lossy.codecs.lc import LC
+from orbax_lossy.codecs.step import Step
 from orbax_lossy.codecs.uniform import Uniform
 from orbax_lossy.codecs.zero import Zero
 from orbax_lossy.errors import (
@@ -52,6 +53,7 @@ __all__ = [
     "MissingStepError",
     "PartialExperts",
     "RootLockedError",
+    "Step",
     "TruncatedError",
     "Uniform",
     "UnsupportedVersionError",
