@@ -541,6 +541,15 @@ def candidate_policies() -> dict[str, Any]:
     exact_bases = {"second_moment": ol.Exact()}
     return {
         "default": ol.LeafPolicy(),
+        "former default": ol.LeafPolicy.create(defaults={
+            "param": ol.Cluster(3, mode="delta"), "first_moment": ol.LC(3, mode="direct")}),
+        "p Step2": ol.LeafPolicy.create(defaults={"param": ol.Step(2.0)}),
+        "p Step3": ol.LeafPolicy.create(defaults={"param": ol.Step(3.0)}),
+        "mu Step3 direct": ol.LeafPolicy.create(
+            defaults={"first_moment": ol.Step(3.0, mode="direct")}),
+        "mu Step6 direct": ol.LeafPolicy.create(
+            defaults={"first_moment": ol.Step(6.0, mode="direct")}),
+        "mu zero": ol.LeafPolicy.create(defaults={"first_moment": ol.Zero()}),
         "params only": ol.LeafPolicy.params_only(),
         "lossless": ol.LeafPolicy.lossless(),
         "default nu exact-bases": ol.LeafPolicy.create(base_defaults=exact_bases),
@@ -586,7 +595,7 @@ def candidate_policies() -> dict[str, Any]:
 POLICY_NAMES = tuple(candidate_policies())
 
 #: the default invocation: the library's defaults, plus the previous default for comparison
-DEFAULT_POLICIES = ("default", "params only")
+DEFAULT_POLICIES = ("default", "former default", "params only")
 
 #: ``--levers``: the levers measured for docs/whole_state.md
 LEVER_POLICIES = (

@@ -35,7 +35,8 @@ def test_half_step_bound_on_every_element(rel: float, dtype) -> None:
     step = float(np.asarray(enc.side["step"])[0])
     rms = np.sqrt(np.mean(np.square(np.asarray(value.astype(jnp.float32) - ref.astype(jnp.float32),
                                                np.float64))))
-    assert step == pytest.approx(max(rel * rms, np.abs(d).max() / 127), rel=1e-5)
+    amax = np.abs(d).max()
+    assert step == pytest.approx(min(max(rel * rms, amax / 127), amax / 2), rel=1e-5)
     err = np.abs(np.asarray(enc.recon, np.float64) - v)
     narrow = 2 if np.dtype(dtype).itemsize < 4 else 1
     assert err.max() <= narrow * (step / 2 * (1 + 1e-5) + 1e-6 * np.abs(v).max())
@@ -73,6 +74,19 @@ def test_fewer_bytes_than_kmeans_at_no_larger_error() -> None:
     step_bytes, step_err = rate_and_error(ol.Step(2.0))
     assert step_bytes <= cluster_bytes
     assert step_err < 0.75 * cluster_err
+
+
+def test_light_tailed_deltas_keep_two_multiples() -> None:
+    """A uniform delta lies within 1.8 RMS: ``rel * rms`` would put every element in the dead
+    zone; the ``amax / 2`` ceiling keeps its error below a third of the delta."""
+    rng = np.random.default_rng(3)
+    ref = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
+    value = ref + jnp.asarray(rng.uniform(-1e-2, 1e-2, ref.shape), jnp.float32)
+    enc = encode(ol.Step(2.5), value, ref)
+    d = np.asarray(value, np.float64) - np.asarray(ref, np.float64)
+    assert float(np.asarray(enc.side["step"])[0]) == pytest.approx(np.abs(d).max() / 2, rel=1e-5)
+    err = np.asarray(enc.recon, np.float64) - np.asarray(value, np.float64)
+    assert np.linalg.norm(err) < np.linalg.norm(d) / 3
 
 
 def test_unchanged_leaf_and_direct_mode() -> None:
