@@ -1,8 +1,10 @@
 """The Orbax guides' manager patterns with the lossy handler swapped in.
 
 Each run saves ~10 steps of a small training state (float params, an int counter) beside a
-JSON item, then checks: every listed step restores and matches what was saved (float params
-within the codec's bound, ints exactly); the listed steps are what plain Orbax lists for the
+JSON item, then checks: every listed step restores and matches what was saved (ints exactly,
+which pins the step; float params within 10% of the leaf's largest magnitude: these states
+change by up to 7% of it per save, and the default parameter codec, ``Step(2.5)``, errs by up
+to half a step, at most half the largest change of the coded delta); the listed steps are what plain Orbax lists for the
 same options plus the steps that ``ol.kept_for_chains`` reports; the caller's options object
 is unchanged.
 """
@@ -47,7 +49,7 @@ def assert_matches(restored: dict, saved: dict, where: str) -> None:
     for name in ("kernel", "bias"):
         got = np.asarray(restored["params"][name])
         exp = np.asarray(saved["params"][name])
-        bound = 0.05 * float(np.max(np.abs(exp)))
+        bound = 0.1 * float(np.max(np.abs(exp)))
         assert got.shape == exp.shape, where
         assert float(np.max(np.abs(got - exp))) <= bound, f"{where}: {name}"
     assert int(restored["count"]) == int(saved["count"]), f"{where}: count"

@@ -298,7 +298,8 @@ def test_handler_reads_and_writes_without_orbax_commit(s3) -> None:
     want = _flat(saved[1])
     np.testing.assert_array_equal(restored["step"], want["step"])
     np.testing.assert_array_equal(restored["host"], want["host"])
-    assert np.linalg.norm(restored["params/w"] - want["params/w"]) < 0.05 * np.linalg.norm(
+    # the state moves by ~10% per save; the default Step(2.5) delta errs by up to half a step
+    assert np.linalg.norm(restored["params/w"] - want["params/w"]) < 0.1 * np.linalg.norm(
         want["params/w"])
     assert fresh.last_restore_bytes_read > 0
     fresh.close()

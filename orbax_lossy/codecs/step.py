@@ -3,15 +3,15 @@
 Every element of the delta (``mode="delta"``) or of the value (``mode="direct"``) rounds to
 the nearest multiple of one step, ``step = max(rel * rms, amax / 127)`` (``rms`` and
 ``amax``: root mean square and largest magnitude of what is coded, per leaf); the symbol is
-the multiple plus 128, with the step clamped to ``[amax / 127, amax / 2]``. Small elements
+the multiple plus 128, with the step clamped to ``[amax / 127, amax]``. Small elements
 round to 0 (a dead zone of one step), the rest keep their magnitude to within half a step,
 and the entropy coder spends bits only on the multiples that occur. This is the classic entropy-constrained scalar quantizer: on the
 heavy-tailed deltas of training it reaches the error of ``Cluster(3)`` at about two thirds of
 its bits, and unlike k-means its error bound is the same for every element,
 ``|x - x̂| <= step / 2``. The ``amax / 127`` floor keeps every multiple within the symbol
-range, so nothing is clipped; the ``amax / 2`` ceiling keeps at least two non-zero multiples
-on light-tailed (or tiny) leaves, whose elements would otherwise all fall in the dead zone
-(training deltas are heavy tailed: their ``amax`` is tens of RMS and the ceiling never binds). Side array: ``step`` (one value). Specification:
+range, so nothing is clipped; the ``amax`` ceiling keeps the largest element out of the dead
+zone, so a light-tailed or tiny leaf (a scalar has ``amax == rms``) is never frozen at its
+reference: with ``rel * rms`` alone every element of it could round to 0 at every save. Side array: ``step`` (one value). Specification:
 ``docs/codecs.md``.
 """
 
@@ -32,18 +32,16 @@ MODES = ("direct", "delta")
 #: symbols are ``multiple + CENTER``; multiples lie in ``[-CENTER + 1, CENTER - 1]``
 CENTER = 128
 MAX_MULTIPLE = CENTER - 1
-#: the step is at most ``amax / MIN_MULTIPLE``: the largest element is at least this many steps
-MIN_MULTIPLE = 2
 
 
 def step_size(x: jax.Array, rel: float) -> jax.Array:
-    """``rel * rms(x)`` clamped to ``[amax(x) / 127, amax(x) / 2]``, as a ``(1,)`` array of
+    """``rel * rms(x)`` clamped to ``[amax(x) / 127, amax(x)]``, as a ``(1,)`` array of
     ``x``'s dtype (1 when ``x`` is all zeros). The mean square is taken of ``x / amax``, so it
     cannot overflow."""
     amax = jnp.max(jnp.abs(x), initial=0)
     scale = jnp.where(amax > 0, amax, 1)
     rms = scale * jnp.sqrt(jnp.mean(jnp.square(x / scale))) if x.size else scale
-    step = jnp.minimum(jnp.asarray(rel, x.dtype) * rms, amax / MIN_MULTIPLE)
+    step = jnp.minimum(jnp.asarray(rel, x.dtype) * rms, amax)
     step = jnp.maximum(step, amax / MAX_MULTIPLE)
     return jnp.where(amax > 0, step, 1).astype(x.dtype).reshape(1)
 
