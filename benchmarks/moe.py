@@ -4,9 +4,9 @@ For every (K, C): train ``--steps`` steps saving every C steps through
 ``checkpoint_manager(partial_experts=PartialExperts(k=K, ...))`` (Dynamic-K on), "fail" at
 ``--fail-at``, restore the newest save at or before it into a fresh model, finish the run, and
 compare with the uninterrupted run. Two storage settings: ``exact`` (every leaf lossless:
-PEC alone) and ``lossy`` (the library's default whole-state policy: LC deltas for parameters,
-log-domain LC for second moments, ...). Plain Orbax (``StandardCheckpointer``, zstd) of the
-same state is the size baseline.
+PEC alone) and ``lossy`` (the library's default whole-state policy: ``Step`` deltas for
+parameters, log-domain LC for second moments, ..., with LC(4) first-moment deltas). Plain
+Orbax (``StandardCheckpointer``, zstd) of the same state is the size baseline.
 
 Columns: bytes per save (mean over the run's saves, all files of the step directory) and its
 ratio to plain Orbax; the mean over *partial* saves only; bytes written per process (one

@@ -550,6 +550,8 @@ def candidate_policies() -> dict[str, Any]:
         "mu Step6 direct": ol.LeafPolicy.create(
             defaults={"first_moment": ol.Step(6.0, mode="direct")}),
         "mu zero": ol.LeafPolicy.create(defaults={"first_moment": ol.Zero()}),
+        "p Step3 mu zero": ol.LeafPolicy.create(
+            defaults={"param": ol.Step(3.0), "first_moment": ol.Zero()}),
         "params only": ol.LeafPolicy.params_only(),
         "lossless": ol.LeafPolicy.lossless(),
         "default nu exact-bases": ol.LeafPolicy.create(base_defaults=exact_bases),

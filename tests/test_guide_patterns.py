@@ -4,9 +4,9 @@ Each run saves ~10 steps of a small training state (float params, an int counter
 JSON item, then checks: every listed step restores and matches what was saved (ints exactly,
 which pins the step; float params within 10% of the leaf's largest magnitude: these states
 change by up to 7% of it per save, and the default parameter codec, ``Step(2.5)``, errs by up
-to half a step, at most half the largest change of the coded delta); the listed steps are what plain Orbax lists for the
-same options plus the steps that ``ol.kept_for_chains`` reports; the caller's options object
-is unchanged.
+to half a step, at most half the largest change of the coded delta); the listed steps are
+what plain Orbax lists for the same options plus the steps that ``ol.kept_for_chains``
+reports; the caller's options object is unchanged.
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
 """``step``: entropy-coded uniform quantization with a step relative to the leaf's RMS.
 
 Every element of the delta (``mode="delta"``) or of the value (``mode="direct"``) rounds to
-the nearest multiple of one step, ``step = max(rel * rms, amax / 127)`` (``rms`` and
-``amax``: root mean square and largest magnitude of what is coded, per leaf); the symbol is
-the multiple plus 128, with the step clamped to ``[amax / 127, amax]``. Small elements
-round to 0 (a dead zone of one step), the rest keep their magnitude to within half a step,
-and the entropy coder spends bits only on the multiples that occur. This is the classic entropy-constrained scalar quantizer: on the
-heavy-tailed deltas of training it reaches the error of ``Cluster(3)`` at about two thirds of
-its bits, and unlike k-means its error bound is the same for every element,
+the nearest multiple of one step per leaf, ``step = rel * rms`` clamped to
+``[amax / 127, amax]`` (``rms`` and ``amax``: root mean square and largest magnitude of what
+is coded); the symbol is the multiple plus 128. Small elements round to 0 (a dead zone of one
+step), the rest keep their magnitude to within half a step, and the entropy coder spends bits
+only on the multiples that occur: the classic entropy-constrained scalar quantizer. On the
+heavy-tailed deltas of training it reaches the error of ``Cluster(3)`` at about three
+quarters of its bits, and unlike k-means its error bound is the same for every element,
 ``|x - x̂| <= step / 2``. The ``amax / 127`` floor keeps every multiple within the symbol
 range, so nothing is clipped; the ``amax`` ceiling keeps the largest element out of the dead
 zone, so a light-tailed or tiny leaf (a scalar has ``amax == rms``) is never frozen at its
-reference: with ``rel * rms`` alone every element of it could round to 0 at every save. Side array: ``step`` (one value). Specification:
-``docs/codecs.md``.
+reference, as it would be if every element rounded to 0 at every save. Side array: ``step``
+(one value). Specification: ``docs/codecs.md``.
 """
 
 from __future__ import annotations
