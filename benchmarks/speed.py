@@ -100,7 +100,8 @@ def lossy_policy(config: str) -> ol.Policy | None:
         return None  # ol.checkpoint_manager's default: LeafPolicy() (docs/whole_state.md)
     if config == "lc":
         return ol.LeafPolicy.create(defaults={
-            "first_moment": ol.LC(3), "second_moment": ol.LC(3, domain="log")})
+            "param": ol.LC(3), "first_moment": ol.LC(3),
+            "second_moment": ol.LC(3, domain="log")})
     if config == "adaptive":
         return ol.AdaptivePolicy.create()
     raise SystemExit(f"unknown config {config!r}")
