@@ -125,8 +125,8 @@ def main() -> None:
         )
         # warm-up (not printed): compile the encode/decode programs and numba kernels once, so
         # the rows below compare steady-state costs, as in a long training run
-        for warm in (ol.LeafPolicy(), ol.LeafPolicy.create(
-                defaults={"first_moment": ol.LC(3), "second_moment": ol.LC(3)})):
+        for warm in (ol.LeafPolicy(), ol.LeafPolicy.create(defaults={
+                "param": ol.LC(3), "first_moment": ol.LC(3), "second_moment": ol.LC(3)})):
             run_config(
                 f"warm-up {id(warm)}", root, states[:3],
                 lambda d, p=warm: ol.checkpoint_manager(d, policy=p, base_interval=2),
@@ -135,9 +135,9 @@ def main() -> None:
                 lossy_kind,
             )
         policies = {
-            "params lossy": ol.LeafPolicy(),
-            "all floats lossy": ol.LeafPolicy.create(
-                defaults={"first_moment": ol.LC(3), "second_moment": ol.LC(3)}
+            "default (whole state)": ol.LeafPolicy(),
+            "all floats LC": ol.LeafPolicy.create(
+                defaults={"param": ol.LC(3), "first_moment": ol.LC(3), "second_moment": ol.LC(3)}
             ),
         }
         for label, policy in policies.items():

@@ -12,15 +12,15 @@ The same sequence of states is then saved through plain Orbax (``ocp.CheckpointM
 ``ocp.args.StandardSave``, default settings) and through orbax-lossy with each policy and each
 ``--base-interval``, every configuration in a fresh directory:
 
-* ``params lossy``: ``LeafPolicy()`` (float params ``LC(3)``, optimizer state exact);
-* ``whole LC3``: ``LeafPolicy.create(defaults=...)`` with both Adam moments through ``LC(3)``;
-* ``whole LC2``: parameters and both moments through ``LC(2)`` (closed loop: what a save drops
-  is carried into the next delta);
-* ``LC3+LC2mom``: parameters through ``LC(3)``, both moments through ``LC(2)``;
-* ``whole LC3+clu4``: ``mu`` through ``LC(3)``, ``nu`` through ``Cluster(4, domain="log")``;
-* ``adaptive``: ``AdaptivePolicy()`` (default per-role error budgets);
-* ``adaptive loose``: ``AdaptivePolicy`` with second-moment budget 0.5 (RMS elementwise
-  relative error) and parameter progress budget 0.7 (error / ||delta||).
+* ``default``: ``LeafPolicy()`` (``Step(2.5)`` parameter deltas, ``Step(4.0, mode="direct")``
+  first moments, ``LC(2, domain="log")`` second moments, lossy bases; docs/whole_state.md);
+* ``former default``: the same with ``Cluster(3, mode="delta")`` parameter deltas and
+  ``LC(3, mode="direct")`` first moments;
+* ``params only``: ``LeafPolicy.params_only()`` (float params ``LC(3)``, the rest exact);
+* every other label changes one codec of the default (``p Step3``, ``mu zero``,
+  ``mu LC2 direct``, ``nu LC3 log``, ...) or is an older whole-state policy (``whole LC3``,
+  ``LC3+LC2mom``) or ``AdaptivePolicy()`` (``adaptive``, ``adaptive loose``);
+  ``candidate_policies()`` lists them all.
 
 Issue 14's levers (``--policies``): ``joint mu <alpha>`` / ``joint excp <alpha>`` (ExCP's joint
 weight-momentum pruning, :class:`JointPrune`), ``base p Cl8`` / ``base p Cl6`` (lossy parameter
