@@ -75,7 +75,11 @@ def test_donate_and_overwrite_right_after_save_returns(tmp_path, assert_bitwise,
 
     device = {k: v for k, v in params.items() if k != "host"}
     new = donate_all(device)
-    assert all(v.is_deleted() for v in device.values())  # the buffers really are gone
+    for name, v in device.items():
+        # A leaf the save copied is donated: its buffer is gone. A ready CPU leaf the save
+        # holds zero-copy (once the background donation probe has answered, which races with
+        # this second save) cannot be donated: the runtime copies it, and it keeps its values.
+        assert v.is_deleted() or np.array_equal(np.asarray(v), old[name]), name
     params["host"][:] = -1.0  # overwrite the host leaf in place
     assert not any(v.is_deleted() for v in handler.reference.values if v is not None)
 
