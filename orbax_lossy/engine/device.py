@@ -1,9 +1,10 @@
 """The device halves of all codecs, as jitted programs over a list of leaves.
 
 ``encode_tree`` runs the ``device_encode`` of the leaves it is given in one compiled XLA
-program; saves give it one leaf at a time (:func:`run_grouped`), so a program is compiled once
-per class of leaves (shape, dtype, sharding, codec) and reused by every leaf of that class and
-every later save. The codec plan and the input shardings are static arguments.
+program; saves give it one leaf at a time (``save.dispatch_encode``, on :func:`leaf_pool` in a
+single process), so a program is compiled once per class of leaves (shape, dtype, sharding,
+codec) and reused by every leaf of that class and every later save. The codec plan and the
+input shardings are static arguments.
 Elementwise outputs (codec fields and the reconstruction) are constrained to the input's
 sharding, so a sharded leaf is never gathered onto one device; per-leaf statistics reduce
 globally, which makes the codec choices identical on every process.

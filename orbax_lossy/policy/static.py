@@ -35,7 +35,7 @@ from orbax_lossy.treepaths import StoredPath, path_str
 #: uniform quantization of the delta with a step of 2.5x its RMS, entropy coded (``Step``:
 #: 1.6-2.5x fewer bits than the former ``Cluster(3, mode="delta")`` at the same or smaller
 #: damage to the resumed run; ``Step(3.0)`` moved the held-out CNN by +3.3%). First moments:
-#: ``Step(4.0, mode="direct")`` (``Zero()`` is free but moved short runs by up to +7.8%).
+#: ``Step(4.0, mode="direct")`` (``Zero()`` is free but moved short runs by +7.1-7.8%).
 #: Measurements: docs/whole_state.md.
 DEFAULT_ROLE_CODECS: Mapping[str, Codec] = {
     "param": Step(rel=2.5),
