@@ -973,3 +973,169 @@ def zrun_decode_fast(
         if status != STATUS_OK:
             return status
     return STATUS_OK
+
+
+#: window bits of the event table of ``zrun_decode_bytes``
+ZRUN_TABLE_BITS = 12
+
+
+@njit(nogil=True, cache=True)
+def zrun_byte_table(
+    rlut: np.ndarray, rbits: int, llut: np.ndarray, lbits: int, zsym: int, window_bits: int
+):
+    """Per ``window_bits``-bit window of a zero-run stream: the output bytes of the whole
+    events (a run of 0..15 without extra bits, then its literal) it starts with, greedy, at
+    most ``BYTE_TABLE_MAX`` bytes, as ``info[v] = bits_used | n_bytes << 8`` and
+    ``obytes[v * BYTE_TABLE_MAX:]``, zsym-filled past the events.
+
+    A window whose first event is a long run (extra bits), a bit pattern that is no code or
+    does not fit the window gets ``info`` 0 and the decoder takes one event the plain way;
+    so the table changes speed, never the result.
+    """
+    size = 1 << window_bits
+    info = np.zeros(size, np.uint16)
+    obytes = np.full(size * BYTE_TABLE_MAX, zsym, np.uint8)
+    mask = size - 1
+    for v in range(size):
+        used = 0
+        nb = 0
+        base = v * BYTE_TABLE_MAX
+        while True:
+            rest = window_bits - used
+            window = (v << used) & mask
+            if rbits <= window_bits:
+                e = rlut[window >> (window_bits - rbits)]
+            else:
+                e = rlut[window << (rbits - window_bits)]
+            rln = e & 15
+            r = e >> 4
+            if rln == 0 or rln > rest or r >= 16:  # codes below 16 are runs without extra bits
+                break
+            window = (v << (used + rln)) & mask
+            if lbits <= window_bits:
+                e = llut[window >> (window_bits - lbits)]
+            else:
+                e = llut[window << (lbits - window_bits)]
+            lln = e & 15
+            if lln == 0 or rln + lln > rest or nb + r + 1 > BYTE_TABLE_MAX:
+                break
+            obytes[base + nb + r] = e >> 4  # the run's bytes are zsym already
+            nb += r + 1
+            used += rln + lln
+        if nb > 0:
+            info[v] = used | (nb << 8)
+    return info, obytes
+
+
+@njit(nogil=True, cache=True)
+def zrun_decode_bytes(
+    data: np.ndarray,
+    zsym: int,
+    offsets: np.ndarray,
+    rlut: np.ndarray,
+    rbits: int,
+    run_base: np.ndarray,
+    run_extra: np.ndarray,
+    llut: np.ndarray,
+    lbits: int,
+    info: np.ndarray,
+    obytes: np.ndarray,
+    window_bits: int,
+    block: int,
+    n: int,
+    out: np.ndarray,
+    b0: int,
+    b1: int,
+) -> int:
+    """``zrun_decode_fast`` that first tries one ``zrun_byte_table`` lookup per step (while
+    16 output bytes of the block remain: whole short events, written with one 16-byte copy
+    whose bytes past them are overwritten by what follows); bit-identical output and
+    statuses (an event decoded from the table is decoded exactly as the plain path would)."""
+    rshift = np.uint64(64 - rbits)
+    lshift = np.uint64(64 - lbits)
+    wshift = np.uint64(64 - window_bits)
+    z = np.uint8(zsym)
+    for b in range(b0, b1):
+        pos = offsets[b]
+        end = offsets[b + 1]
+        o = b * block
+        oend = min(o + block, n)
+        buf = np.uint64(0)
+        nbits = 0
+        while o < oend:
+            if pos + 8 <= end:
+                buf |= _load_be64(data, pos) >> np.uint64(nbits)
+                pos += (63 - nbits) >> 3
+                nbits |= 56
+                if o + 2 * BYTE_TABLE_MAX <= oend:  # >= 56 bits: two lookups of <= 12
+                    v = buf >> wshift
+                    e = np.int64(info[v])
+                    if e != 0:
+                        _copy16(out, o, obytes, v * BYTE_TABLE_MAX)
+                        ln = e & 255
+                        buf <<= np.uint64(ln)
+                        nbits -= ln
+                        o += e >> 8
+                        v = buf >> wshift
+                        e = np.int64(info[v])
+                        if e != 0:
+                            _copy16(out, o, obytes, v * BYTE_TABLE_MAX)
+                            ln = e & 255
+                            buf <<= np.uint64(ln)
+                            nbits -= ln
+                            o += e >> 8
+                        continue
+            else:
+                while nbits <= 56:
+                    byte = data[pos] if pos < end else 0
+                    buf |= np.uint64(byte) << np.uint64(56 - nbits)
+                    pos += 1
+                    nbits += 8
+            e = rlut[buf >> rshift]
+            ln = e & 15
+            if ln == 0:
+                return STATUS_BAD_CODE
+            buf <<= np.uint64(ln)
+            nbits -= ln
+            c = e >> 4
+            r = run_base[c]
+            x = run_extra[c]
+            if x > 0:  # >= 41 valid bits left
+                r += np.int64(buf >> np.uint64(64 - x))
+                buf <<= np.uint64(x)
+                nbits -= x
+            if r > oend - o:
+                return STATUS_RUN_TOO_LONG
+            if o + r + 16 <= oend:
+                j = o
+                while j < o + r:
+                    _fill16(out, j, z)
+                    j += 16
+            else:
+                for j in range(o, o + r):
+                    out[j] = z
+            o += r
+            if o == oend:
+                break
+            if pos + 8 <= end:
+                buf |= _load_be64(data, pos) >> np.uint64(nbits)
+                pos += (63 - nbits) >> 3
+                nbits |= 56
+            else:
+                while nbits <= 56:
+                    byte = data[pos] if pos < end else 0
+                    buf |= np.uint64(byte) << np.uint64(56 - nbits)
+                    pos += 1
+                    nbits += 8
+            e = llut[buf >> lshift]
+            ln = e & 15
+            if ln == 0:
+                return STATUS_BAD_CODE
+            buf <<= np.uint64(ln)
+            nbits -= ln
+            out[o] = np.uint8(e >> 4)
+            o += 1
+        status = _block_status(offsets[b], end, pos, nbits)
+        if status != STATUS_OK:
+            return status
+    return STATUS_OK

@@ -76,6 +76,10 @@ TUPLE_TRY_RATIO = 1.005
 #: streams with at least this many blocks are decoded on the thread pool
 PARALLEL_MIN_BLOCKS = 4
 
+#: decode ZRUN streams with an event table (``_kernels.zrun_decode_bytes``: whole short
+#: events per lookup); False selects the event-by-event ``zrun_decode_fast`` (same output)
+ZRUN_TABLE = True
+
 #: the byte-table decoder's unaligned 8-byte loads and stores assume a little-endian host
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
@@ -412,13 +416,22 @@ def _decode_zrun(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
     block, offsets = _read_blocks(buf, pos, n)
     out = aligned_empty(n)
 
-    decode = K.zrun_decode_fast if _LITTLE_ENDIAN else K.zrun_decode
+    if _LITTLE_ENDIAN and ZRUN_TABLE:
+        info, obytes = K.zrun_byte_table(rlut, rbits, llut, lbits, zsym, K.ZRUN_TABLE_BITS)
 
-    def kernel(b0: int, b1: int) -> int:
-        return decode(
-            buf, zsym, offsets, rlut, rbits, K.RUN_BASE, K.RUN_EXTRA, llut, lbits, block, n,
-            out, b0, b1,
-        )  # fmt: skip
+        def kernel(b0: int, b1: int) -> int:
+            return K.zrun_decode_bytes(
+                buf, zsym, offsets, rlut, rbits, K.RUN_BASE, K.RUN_EXTRA, llut, lbits, info,
+                obytes, K.ZRUN_TABLE_BITS, block, n, out, b0, b1,
+            )  # fmt: skip
+    else:
+        decode = K.zrun_decode_fast if _LITTLE_ENDIAN else K.zrun_decode
+
+        def kernel(b0: int, b1: int) -> int:
+            return decode(
+                buf, zsym, offsets, rlut, rbits, K.RUN_BASE, K.RUN_EXTRA, llut, lbits, block,
+                n, out, b0, b1,
+            )  # fmt: skip
 
     _run_blocks(kernel, offsets.size - 1)
     return out
