@@ -606,37 +606,82 @@ LEVER_POLICIES = (
 )
 
 
-def context_entropy(work: Workload, steps: int, every: int, bits: int = 3) -> None:
-    """Prototype (not in the format): LC symbols of closed-loop parameter deltas, order-0
-    entropy vs the entropy conditioned on the previous save's symbol at the same position
-    (what a context-modelling entropy coder could reach)."""
-    from orbax_lossy.codecs.base import order0_entropy
-    from orbax_lossy.codecs.lc import dequantize, promote
+def _entropy_bits(counts: np.ndarray) -> float:
+    """Bits to code a histogram's symbols at its own order-0 entropy."""
+    c = counts[counts > 0].astype(np.float64)
+    return float(np.sum(c * np.log2(c.sum() / c))) if c.size else 0.0
+
+
+def _conditional_bits(symbols: np.ndarray, context: np.ndarray) -> float:
+    """Bits to code ``symbols`` with one order-0 model per context value (empirical
+    conditional entropy; the models' own cost is not counted)."""
+    joint = np.bincount(context.astype(np.int64) * 256 + symbols)
+    return _entropy_bits(joint) - _entropy_bits(np.bincount(context.astype(np.int64)))
+
+
+def _sign_class(symbols: np.ndarray) -> np.ndarray:
+    """Five classes of a ``Step`` symbol: its multiple clamped to -2..2, plus 2."""
+    return np.clip(symbols.astype(np.int64) - 128, -2, 2) + 2
+
+
+def context_entropy(work: Workload, steps: int, every: int, interval: int) -> None:
+    """Prototype (not in the format): what context modelling would save on the default
+    codecs' symbols, closed loop like a save (parameter deltas ``Step(2.5)`` against the
+    previous reconstruction, first moments ``Step(4.0, mode="direct")``). Per element, the
+    order-0 entropy each leaf's stream is coded at today, against the entropy conditioned on
+    (a) the previous save's symbol at the same position (256 contexts, or its multiple clamped
+    to -2..2: 5 contexts), (b) the previous element of the same save (5 contexts), (c) for
+    parameters, the same save's first-moment symbol. A base every ``interval`` saves has no
+    previous symbols (its next delta is counted at order 0); the reference after a base is
+    the exact value."""
+    from orbax_lossy.codecs.step import levels, quantize, step_size
 
     _, kept = train(work, steps, every)
     states = [kept[k] for k in sorted(kept)]
+    totals: dict[str, collections.Counter] = {"params": collections.Counter(),
+                                              "mu": collections.Counter()}
     refs = [jnp.asarray(x) for x in jax.tree.leaves(states[0].params)]
-    prev: list[np.ndarray | None] = [None] * len(refs)
-    h0_bits = h1_bits = n_total = 0.0
-    for st in states[1:]:
-        for i, v in enumerate(jax.tree.leaves(st.params)):
-            sym, reps = promote(v - refs[i], bits)
-            refs[i] = refs[i] + dequantize(sym, reps)
-            cur = np.asarray(sym).reshape(-1).astype(np.int64)
-            n = cur.size
-            h0_bits += n * order0_entropy(np.bincount(cur, minlength=2**bits))
-            if prev[i] is not None:
-                joint = np.bincount(prev[i] * 2**bits + cur, minlength=4**bits)
-                marg = np.bincount(prev[i], minlength=2**bits)
-                h1_bits += n * (order0_entropy(joint) - order0_entropy(marg))
-            else:
-                h1_bits += n * order0_entropy(np.bincount(cur, minlength=2**bits))
-            prev[i] = cur
-            n_total += n
-    print(f"context modelling prototype, {work.name}, LC({bits}) parameter deltas over "
-          f"{len(states) - 1} saves: order-0 {h0_bits / n_total:.3f} bits/element, "
-          f"order-1 (previous save's symbol) {h1_bits / n_total:.3f} bits/element "
-          f"({h0_bits / max(h1_bits, 1e-9):.2f}x smaller)", flush=True)
+    prev: dict[str, list[np.ndarray | None]] = {"params": [None] * len(refs),
+                                                "mu": [None] * len(refs)}
+    for i_save, st in enumerate(states[1:], start=1):
+        is_base = i_save % interval == 0
+        mus = getattr_path(st, "mu")
+        for i, (v, m) in enumerate(zip(jax.tree.leaves(st.params), mus, strict=True)):
+            if is_base:
+                refs[i] = jnp.asarray(v)
+                prev["params"][i] = prev["mu"][i] = None
+                continue
+            delta = v - refs[i]
+            step = step_size(delta, 2.5)
+            sym = quantize(delta, step)
+            refs[i] = refs[i] + levels(step)[sym.astype(jnp.int32)]
+            m_step = step_size(m, 4.0)
+            coded = {"params": np.asarray(sym).reshape(-1),
+                     "mu": np.asarray(quantize(m, m_step)).reshape(-1)}
+            for what, cur in coded.items():
+                t = totals[what]
+                t["n"] += cur.size
+                t["order-0"] += _entropy_bits(np.bincount(cur))
+                before = prev[what][i]
+                left = _sign_class(np.concatenate(([128], cur[:-1])).astype(np.uint8))
+                t["previous element (5)"] += _conditional_bits(cur, left)
+                if before is None:
+                    t["previous save (256)"] += _entropy_bits(np.bincount(cur))
+                    t["previous save (5)"] += _entropy_bits(np.bincount(cur))
+                else:
+                    t["previous save (256)"] += _conditional_bits(cur, before)
+                    t["previous save (5)"] += _conditional_bits(cur, _sign_class(before))
+                if what == "params":
+                    t["same save's mu (256)"] += _conditional_bits(cur, coded["mu"])
+                prev[what][i] = cur
+    print(f"\ncontext modelling prototype, {work.name}: {len(states) - 1} saves every {every} "
+          f"steps, a base every {interval}; bits per element (what a context-modelling "
+          "entropy coder could reach; order-0 is what the streams are coded at today):")
+    for what, t in totals.items():
+        n = t.pop("n")
+        h0 = t["order-0"]
+        print(f"  {what:<7}" + "; ".join(f"{k} {b / n:.3f} ({h0 / max(b, 1e-9):.2f}x)"
+                                       for k, b in t.items()), flush=True)
 
 
 def getattr_path(state: train_state.TrainState, what: str) -> Any:
@@ -675,7 +720,7 @@ def main() -> None:
                         help="the levers of docs/whole_state.md: " + ", ".join(LEVER_POLICIES))
     parser.add_argument("--full", action="store_true", help="every known policy")
     parser.add_argument("--context-entropy", action="store_true",
-                        help="only the context-modelling prototype on the digits MLP")
+                        help="only the context-modelling prototype (on the --only workloads)")
     args = parser.parse_args()
     if args.quick:
         args.steps = args.steps or 60
@@ -699,7 +744,16 @@ def main() -> None:
     only = set((args.only or "digits,charlm,cnn").split(","))
     t0 = time.perf_counter()
     if args.context_entropy:
-        context_entropy(digits_workload(args.hidden, args.steps), args.steps, args.every)
+        if "digits" in only:
+            context_entropy(digits_workload(args.hidden, args.steps), args.steps, args.every,
+                            args.intervals[0])
+        if "charlm" in only:
+            work = charlm_workload(args.steps, args.d_model, args.layers,
+                                   max_chars=40_000 if args.quick else 320_000)
+            context_entropy(work, args.steps, args.every_lm, args.intervals[0])
+        if "cnn" in only:
+            context_entropy(cnn_workload(args.cnn_width, args.steps), args.steps, args.every,
+                            args.intervals[0])
         return
     root = tempfile.mkdtemp(prefix="orbax_lossy_whole_")
     try:
