@@ -15,7 +15,7 @@ import numpy as np
 
 from orbax_lossy.engine import transfer
 from orbax_lossy.engine.targets import LeafTarget
-from orbax_lossy.entropy.stream import aligned_empty, blocks_on_this_thread
+from orbax_lossy.entropy.stream import aligned_empty, blocks_on_this_thread, decode_into
 from orbax_lossy.errors import FormatError, InvalidArgumentError, LossyError
 from orbax_lossy.format import grid
 from orbax_lossy.format.manifest import LeafEntry
@@ -211,10 +211,15 @@ class FieldRead:
 
     def _place(self, p, regions: list[grid.Box], serial: bool = False) -> None:
         reader, codec, field, dtype = self._source
-        # on a pool thread (one piece per thread) the piece's blocks stay on that thread
-        with blocks_on_this_thread() if serial else contextlib.nullcontext():
-            data = decode_piece(reader, p, codec, field, dtype, self.where)
         box = tuple(map(tuple, p.box))
+        destination = self._destination(box, regions)
+        # on a pool thread (one piece per thread) the piece's blocks stay on that thread
+        with (blocks_on_this_thread() if serial else contextlib.nullcontext(),
+              decode_into(destination)):
+            data = decode_piece(reader, p, codec, field, dtype, self.where)
+        if (destination is not None and data.ctypes.data == destination.ctypes.data
+                and data.shape == destination.shape and data.dtype == destination.dtype):
+            return  # decoded in place
         for region in regions:
             out = self.arrays[region]
             if out is None:  # the region is exactly this piece
@@ -223,6 +228,19 @@ class FieldRead:
             inter = grid.intersect(box, region)
             assert inter is not None  # regions were chosen by overlap
             out[grid.local_slices(inter, region)] = data[grid.local_slices(inter, box)]
+
+    def _destination(self, box: grid.Box, regions: list[grid.Box]) -> np.ndarray | None:
+        """Where a uint8 piece inside one region's array can be decoded in place: that
+        array's slab of the piece's box, when it is contiguous (boxes that cut only the
+        first axis of the region); else None (decoded, then copied)."""
+        if self._source[3] != np.uint8 or len(regions) != 1:
+            return None
+        region = regions[0]
+        out = self.arrays[region]
+        if out is None or grid.intersect(box, region) != box:
+            return None
+        slab = out[grid.local_slices(box, region)]
+        return slab if slab.flags.c_contiguous and slab.size else None
 
     def result(self) -> dict[grid.Box, np.ndarray]:
         """The host array of every region (waits for the pieces; the first failure raises)."""

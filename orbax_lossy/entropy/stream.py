@@ -157,6 +157,40 @@ def blocks_on_this_thread() -> Iterator[None]:
         _LOCAL.serial = before
 
 
+@contextlib.contextmanager
+def decode_into(destination: np.ndarray | None) -> Iterator[None]:
+    """Inside this context, the first :func:`decode_symbols` call on this thread that decodes
+    exactly ``destination.size`` symbols writes them into ``destination`` (a C-contiguous
+    uint8 array, e.g. a slab of a larger host array) and returns a 1-D view of it, instead
+    of a new array; ``None`` changes nothing.
+
+    For a restore's pieces: a piece decoded straight into its place in the field's host array
+    needs no second copy. A TUPLE stream whose padded length exceeds ``n`` (its last tuple is
+    partial) still decodes into a new array.
+    """
+    before = getattr(_LOCAL, "destination", None)
+    if destination is not None:
+        if (destination.dtype != np.uint8 or not destination.flags.c_contiguous
+                or not destination.flags.writeable):
+            raise CodecError("a decode destination must be a writeable C-contiguous uint8 array")
+        destination = destination.reshape(-1)
+    _LOCAL.destination = destination
+    try:
+        yield
+    finally:
+        _LOCAL.destination = before
+
+
+def _output(n: int, padded: int | None = None) -> np.ndarray:
+    """The array ``n`` decoded symbols go to (``padded`` >= n bytes are written): the
+    :func:`decode_into` destination where it fits exactly (it is used once), else new."""
+    destination = getattr(_LOCAL, "destination", None)
+    if destination is not None and destination.size == n and (padded is None or padded == n):
+        _LOCAL.destination = None
+        return destination
+    return aligned_empty(n if padded is None else padded)
+
+
 def _run_blocks(kernel: Callable[[int, int], int], nb: int) -> None:
     """Run ``kernel(b0, b1)`` over all blocks, in parallel ranges when worthwhile."""
     serial = getattr(_LOCAL, "serial", False)
@@ -370,7 +404,7 @@ def _decode_tuple(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
     lens, pos = huffman.deserialize_lengths(buf, pos, alpha)
     total_units = _ceil_div(n, k)
     units, offsets = _read_blocks(buf, pos, total_units)
-    out = aligned_empty(total_units * k)
+    out = _output(n, total_units * k)
 
     if _LITTLE_ENDIAN:  # the lengths are valid (deserialize_lengths), so no checks here
         lut, lut_bits, expand, info, obytes = K.tuple_tables(lens, used, k, K.BYTE_TABLE_BITS)
@@ -414,7 +448,7 @@ def _decode_zrun(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
     rlut, rbits = huffman.decode_table(rlens)
     llut, lbits = huffman.decode_table(llens)
     block, offsets = _read_blocks(buf, pos, n)
-    out = aligned_empty(n)
+    out = _output(n)
 
     if _LITTLE_ENDIAN and ZRUN_TABLE:
         info, obytes = K.zrun_byte_table(rlut, rbits, llut, lbits, zsym, K.ZRUN_TABLE_BITS)
@@ -458,14 +492,18 @@ def decode_symbols(data: bytes | memoryview, n: int) -> np.ndarray:
         if buf.size - pos != n:
             err = TruncatedError if buf.size - pos < n else FormatError
             raise err(f"RAW symbol stream has {buf.size - pos} bytes for {n} symbols")
-        return buf[pos:].copy()
+        out = _output(n)
+        out[:] = buf[pos:]
+        return out
     if n == 0:
         raise FormatError(f"mode {mode} is invalid for an empty symbol stream")
     if mode == MODE_CONST:
         sym, pos = _read_u8(buf, pos, "the constant symbol")
         if pos != buf.size:
             raise FormatError(f"{buf.size - pos} trailing bytes after a CONST symbol stream")
-        return np.full(n, sym, np.uint8)
+        out = _output(n)
+        out.fill(sym)
+        return out
     if mode == MODE_TUPLE:
         return _decode_tuple(buf, pos, n)
     if mode == MODE_ZRUN:
