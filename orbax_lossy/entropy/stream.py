@@ -40,9 +40,9 @@ Huffman is measurably above the order-0 entropy) and ZRUN (when one symbol has p
 block padding estimated at half a byte). The smallest wins, so the output is never more
 than a few bytes larger than the input. On streams of more than ``2 * TUPLE_SAMPLE_TUPLES``
 symbols the sizes k > 1 are priced on a strided sample of whole tuples, and only a size
-priced within ``TUPLE_SAMPLE_MARGIN`` of the best (1.0: the best) gets an exact histogram and
-plan: each k is a pass over the stream, and the exact search took about 40% of the commit's
-entropy coding (512 MB state, default policy). On the codecs' streams the sampled choice
+priced within ``TUPLE_SAMPLE_MARGIN`` of the best (1.0: the best) gets an exact histogram
+and plan: each k is a pass over the stream, and the exact search took about 40% of the
+commit's entropy coding (512 MB state, default policy). On the codecs' streams the sampled choice
 was the exact one or within 0.03% of its size.
 """
 
@@ -347,7 +347,8 @@ def _candidate_plans(sym: np.ndarray, counts: np.ndarray) -> list[_Plan]:
 def _sampled_tuple_size(sym: np.ndarray, m: int, k: int, digit: np.ndarray) -> float:
     """Estimated bytes of ``sym`` coded as k-tuples: the Huffman-coded payload of a strided
     sample of at most ``TUPLE_SAMPLE_TUPLES`` whole tuples, scaled to the stream, plus the
-    table and block sizes (deterministic: the sample depends only on the stream's length)."""
+    table and block sizes. Deterministic: the sample depends only on the stream's length.
+    (Evenly spaced runs of contiguous tuples, tried instead, misjudged more often: 0.25%.)"""
     full = sym.size // k
     stride = _ceil_div(full, TUPLE_SAMPLE_TUPLES)
     sample = np.ascontiguousarray(sym[: full * k].reshape(full, k)[::stride]).reshape(-1)
