@@ -360,6 +360,25 @@ def _fill16(typingctx, dst, o, val):
     return types.void(dst, o, val), codegen
 
 
+@intrinsic
+def _fill64(typingctx, dst, o, val):
+    """``dst[o:o+64] = val`` (uint8 array, caller guarantees in bounds), one 64-byte vector
+    store (split by the backend into what the CPU has)."""
+
+    def codegen(context, builder, sig, args):
+        i8 = ir.IntType(8)
+        byte = builder.trunc(args[2], i8) if args[2].type.width > 8 else args[2]
+        vec = ir.Constant(ir.VectorType(i8, 64), None)
+        for j in range(64):
+            vec = builder.insert_element(vec, byte, ir.Constant(ir.IntType(32), j))
+        d = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.bitcast(builder.gep(d.data, [args[1]]), vec.type.as_pointer())
+        builder.store(vec, ptr, align=1)
+        return context.get_dummy_value()
+
+    return types.void(dst, o, val), codegen
+
+
 #: window bits of the byte table of ``tuple_decode_bytes``
 BYTE_TABLE_BITS = 12
 #: the most output bytes one byte-table entry holds (two 8-byte stores)
@@ -1106,7 +1125,12 @@ def zrun_decode_bytes(
                 nbits -= x
             if r > oend - o:
                 return STATUS_RUN_TOO_LONG
-            if o + r + 16 <= oend:
+            if o + r + 64 <= oend:  # long runs of sparse streams: 64 bytes a step
+                j = o
+                while j < o + r:
+                    _fill64(out, j, z)
+                    j += 64
+            elif o + r + 16 <= oend:
                 j = o
                 while j < o + r:
                     _fill16(out, j, z)
