@@ -2,11 +2,13 @@
 
 Synthetic symbol sources shaped like the LC codec's streams (delta symbols: geometric-ish
 over 7 values, coded as k-tuples; base symbols: ~240 values, k = 1; a mostly-zero ZRUN
-stream), each encoded by ``encode_symbols`` (which picks the mode and k) and decoded on one
-thread (``PARALLEL_MIN_BLOCKS`` raised) with the new kernels and with the reference,
-code-by-code ones (``tuple_decode`` / ``tuple_decode_multi`` / ``zrun_decode``, selected by
-the big-endian fallback switch). The outputs are compared, then the best of ``--repeat``
-runs is reported, table building included::
+stream, and a dense ZRUN stream of short runs as ``Step(mode="direct")`` writes), each
+encoded by ``encode_symbols`` (which picks the mode and k) and decoded on one thread
+(``PARALLEL_MIN_BLOCKS`` raised) with the new kernels (``tuple_decode_bytes``,
+``zrun_decode_bytes``) and with the reference, code-by-code ones (``tuple_decode`` /
+``tuple_decode_multi`` / ``zrun_decode``, selected by the big-endian fallback switch). The
+outputs are compared, then the best of ``--repeat`` runs is reported, table building
+included::
 
     python benchmarks/decode_speed.py [--symbols 4000000] [--repeat 5]
 """
@@ -31,6 +33,8 @@ def sources(n: int, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     base = np.clip(rng.normal(128, 40, n), 8, 247).astype(np.uint8)  # ~240 values, k = 1
     zrun = np.where(rng.random(n) < 0.97, 0, rng.integers(1, 16, n)).astype(np.uint8)
+    # Step(mode="direct") first moments: one dominant symbol, short runs between two others
+    dense = np.where(rng.random(n) < 0.7, 128, rng.choice([0, 255], n)).astype(np.uint8)
     return {
         "delta 7 sym r=0.25": _geometric(rng, n, 7, 0.25),
         "delta 7 sym r=0.40": _geometric(rng, n, 7, 0.40),
@@ -38,6 +42,7 @@ def sources(n: int, seed: int = 0) -> dict[str, np.ndarray]:
         "delta 15 sym r=0.70": _geometric(rng, n, 15, 0.70),
         "base ~240 sym": base,
         "zrun p0=0.97": zrun,
+        "zrun p0=0.70 3 sym": dense,
     }
 
 
