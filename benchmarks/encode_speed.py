@@ -3,13 +3,14 @@
 For 64 MB and 256 MB float32 leaves (a realistic delta: a reference plus a small gaussian
 update) times, after a warm-up compile, ``jax.jit(codec.encode)`` and the save program
 ``engine.device.encode_tree`` (the encode plus the guard and the error, as
-``benchmarks/speed.py --encode-only`` measures it) for LC(3) delta, LC(2, domain="log") on a
-positive leaf, LC(3, mode="direct") and Cluster(3, mode="delta"), and prints GB/s of input
-(median of ``--repeats``).
+``benchmarks/speed.py --encode-only`` measures it) for Step(2.5) delta, Step(4.0) direct,
+LC(3) delta, LC(2, domain="log") on a positive leaf, LC(3, mode="direct") and
+Cluster(3, mode="delta"), and prints GB/s of input (median of ``--repeats``).
 
-``--against REV`` also loads ``lc.py`` and ``cluster.py`` from git revision ``REV`` and times
-the old and the new programs alternately in the same run (the CPUs are shared, so only
-figures measured side by side compare), checking that their outputs are bit-identical.
+``--against REV`` also loads ``lc.py``, ``cluster.py`` and ``step.py`` from git revision
+``REV`` and times the old and the new programs alternately in the same run (the CPUs are
+shared, so only figures measured side by side compare), checking that their outputs are
+bit-identical.
 
     python benchmarks/encode_speed.py [--sizes 64,256] [--repeats 7] [--against HEAD~1]
 """
@@ -35,6 +36,7 @@ import numpy as np
 from orbax_lossy.codecs import base
 from orbax_lossy.codecs import cluster as new_cluster
 from orbax_lossy.codecs import lc as new_lc
+from orbax_lossy.codecs import step as new_step
 from orbax_lossy.engine import device
 
 MB = 1 << 20
@@ -63,9 +65,13 @@ def load_revision(rev: str, path: str, name: str) -> ModuleType:
     return module
 
 
-def codecs(lc: ModuleType, cl: ModuleType) -> dict[str, Any]:
-    """The benchmarked configurations, built from the given ``lc`` and ``cluster`` modules."""
+def codecs(lc: ModuleType, cl: ModuleType, st: ModuleType) -> dict[str, Any]:
+    """The benchmarked configurations, built from the given ``lc``, ``cluster`` and ``step``
+    modules (the default policy's codecs: ``Step(2.5)`` parameter deltas, ``Step(4.0)`` direct
+    first moments, ``LC(2, log)`` second moments)."""
     return {
+        "Step(2.5) delta": st.Step(2.5),
+        "Step(4.0) direct": st.Step(4.0, mode="direct"),
         "LC(3) delta": lc.LC(3),
         "LC(2, log) delta": lc.LC(2, domain="log"),
         "LC(3) direct": lc.LC(3, mode="direct"),
@@ -120,11 +126,12 @@ def main() -> None:
     parser.add_argument("--program", default="encode,encode_tree", help="programs to time")
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs")
-    versions = {"new": codecs(new_lc, new_cluster)}
+    versions = {"new": codecs(new_lc, new_cluster, new_step)}
     if args.against:
         old_lc = load_revision(args.against, "orbax_lossy/codecs/lc.py", "_old_lc")
         old_cl = load_revision(args.against, "orbax_lossy/codecs/cluster.py", "_old_cluster")
-        versions = {"old": codecs(old_lc, old_cl), **versions}
+        old_st = load_revision(args.against, "orbax_lossy/codecs/step.py", "_old_step")
+        versions = {"old": codecs(old_lc, old_cl, old_st), **versions}
     names = list(versions["new"])
     if args.only:
         names = [n for n in names if any(o.strip() in n for o in args.only.split(","))]
