@@ -104,6 +104,21 @@ def tuple_histogram(symbols: np.ndarray, digit: np.ndarray, m: int, k: int, alph
 
 
 @njit(nogil=True, cache=True)
+def strided_tuple_histogram(symbols: np.ndarray, digit: np.ndarray, m: int, k: int, alpha: int,
+                            stride: int, count: int):
+    """Histogram of ``count`` whole k-tuples, the j-th starting at symbol ``j * stride * k``
+    (a sample for pricing; no copy of the sampled tuples)."""
+    hist = np.zeros(alpha, np.int64)
+    for j in range(count):
+        v = 0
+        start = j * stride * k
+        for i in range(start, start + k):
+            v = v * m + digit[symbols[i]]
+        hist[v] += 1
+    return hist
+
+
+@njit(nogil=True, cache=True)
 def tuple_encode(
     symbols: np.ndarray,
     digit: np.ndarray,

@@ -351,10 +351,10 @@ def _sampled_tuple_size(sym: np.ndarray, m: int, k: int, digit: np.ndarray) -> f
     (Evenly spaced runs of contiguous tuples, tried instead, misjudged more often: 0.25%.)"""
     full = sym.size // k
     stride = _ceil_div(full, TUPLE_SAMPLE_TUPLES)
-    sample = np.ascontiguousarray(sym[: full * k].reshape(full, k)[::stride]).reshape(-1)
-    hist = K.tuple_histogram(sample, digit, m, k, m**k)
+    count = _ceil_div(full, stride)
+    hist = K.strided_tuple_histogram(sym, digit, m, k, m**k, stride, count)
     lens = huffman.code_lengths(hist)
-    payload = int(hist @ lens.astype(np.int64)) / 8 * full / (sample.size // k)
+    payload = int(hist @ lens.astype(np.int64)) / 8 * full / count
     nb = _ceil_div(_ceil_div(sym.size, k), BLOCK_SYMBOLS // k)
     return len(huffman.serialize_lengths(lens)) + 4 * nb + payload + nb / 2
 
