@@ -35,7 +35,7 @@ import numpy as np
 from orbax_lossy.codecs.base import Codec, codec_config
 from orbax_lossy.codecs.exact import Exact
 from orbax_lossy.codecs.same import Same
-from orbax_lossy.engine import device, transfer
+from orbax_lossy.engine import cpu_encode, device, transfer
 from orbax_lossy.engine.reference import Reference, Signature, delta_signature
 from orbax_lossy.errors import FormatError, LossyError
 from orbax_lossy.format import envelope, grid, payload, steps
@@ -213,7 +213,22 @@ def _host_copies(out: dict[str, Any]) -> dict[str, list[tuple[grid.Box, transfer
             for name, arr in out["fields"].items()}
 
 
+class _OnHost:
+    """A field already in host memory (a host kernel's output), read like a ``HostCopy``."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        self._host = host
+
+    def result(self) -> np.ndarray:
+        return self._host
+
+
 def _encode_leaf(value: Any, ref: Any, codec: Codec, sharding: Any) -> tuple[dict, dict]:
+    kind = cpu_encode.host_kernel(value, ref, codec)
+    if kind is not None:  # float32 LC/Step on one CPU device: numba, not an XLA program
+        out = cpu_encode.encode(value, ref, codec, kind)
+        box = grid.full_box(np.shape(value))
+        return out, {name: [(box, _OnHost(host))] for name, host in out["fields"].items()}
     out = device.encode_tree([value], [ref], plan=(codec,), shardings=(sharding,))[0]
     return out, _host_copies(out)
 

@@ -1,0 +1,523 @@
+"""Host kernels for the encode of ``LC`` and ``Step`` on float32 leaves of one CPU device.
+
+On XLA:CPU the jitted encode program is the main cost of a lossy commit: LC's bucket
+statistics are two scatters, and the program with its guard and error makes about ten passes
+over the leaf (0.4-0.5 GB/s for LC(3) on the 2-core benchmark machine; docs/performance.md).
+The numba kernels here do the same work in two passes over the value and its reference
+(statistics, then symbols, reconstruction, guard and error together), on numpy views of the
+CPU buffers, with the GIL released; saves run them on ``device.leaf_pool`` in place of the
+XLA program where :func:`host_kernel` accepts the leaf. GPUs, TPUs, sharded leaves, several
+processes, other dtypes and other codecs keep the XLA program.
+
+What the kernels guarantee (``tests/test_cpu_encode.py`` checks each point against the XLA
+programs):
+
+* the reconstruction is what the codec's XLA ``decode`` computes from the returned fields and
+  side arrays, bit for bit, so a restore (which decodes with XLA) returns the saved
+  reference; it is computed with XLA:CPU's handling of subnormal float32 numbers (operands and
+  results below the smallest normal number count as zero, DAZ/FTZ), which
+  :func:`xla_flushes_subnormals` probes once per process;
+* ``LC`` in the linear domain gives the XLA program's own symbols and representatives (each
+  quantity is a maximum, a minimum, a comparison or one rounding); ``Step``'s step (a sum of
+  squares) and ``LC``'s log-domain ratios (a logarithm) are computed in another order or by
+  another library, so the step can differ in its last bits and an element on a boundary can
+  take the neighbouring symbol: the codec's error bound holds all the same;
+* the guard and the relative error are those of ``engine/device.py`` (``rel_error`` is
+  accumulated in float64 here, in float32 there).
+
+``ORBAX_LOSSY_HOST_ENCODE=0`` turns the kernels off (every leaf takes the XLA program).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import math
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from orbax_lossy.codecs.base import Codec
+from orbax_lossy.codecs.lc import LC
+from orbax_lossy.codecs.step import CENTER, MAX_MULTIPLE, Step
+from orbax_lossy.entropy.stream import aligned_empty
+from orbax_lossy.threads import available_cores
+
+#: environment variable: ``0`` runs every encode as an XLA program
+ENV = "ORBAX_LOSSY_HOST_ENCODE"
+
+# What a kernel codes, per element: the delta, the value, or the log-ratio to the reference.
+LC_DELTA, LC_DIRECT, LC_LOG, STEP_DELTA, STEP_DIRECT = range(5)
+_F32 = np.finfo(np.float32)
+TINY = np.float32(_F32.tiny)
+FMAX = np.float32(_F32.max)
+#: (sign, base-2 exponent) buckets of float32: ``2 * (maxexp - (minexp - nmant + 1) + 1)``
+N_BUCKETS = 2 * (int(_F32.maxexp) - (int(_F32.minexp) - int(_F32.nmant) + 1) + 1)
+#: a normal float32's bucket is ``2 * (biased exponent + BUCKET_OFFSET) + sign``
+#: (``lc.segment_ids``: ``2 - maxexp - lo`` with ``lo = minexp - nmant + 1``)
+BUCKET_OFFSET = 2 - int(_F32.maxexp) - (int(_F32.minexp) - int(_F32.nmant) + 1)
+
+
+# ------------------------------------------------------------------------------ kernels
+
+SIGN = np.uint32(0x80000000)
+EXPONENT = np.uint32(0x7F800000)
+#: the kernels index their per-bucket arrays by the top 9 bits (sign, biased exponent)
+SLOTS = 512
+
+
+@intrinsic
+def _bits(typingctx, x):
+    """The bit pattern of a float32 as a uint32."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _float(typingctx, u):
+    """The float32 of a uint32 bit pattern."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@njit(inline="always")
+def _flush(x, flush):
+    """``x``, or a zero of its sign where it is subnormal and ``flush`` (XLA:CPU's DAZ/FTZ)."""
+    if flush:  # a loop invariant; the select compiles without a branch
+        u = _bits(x)
+        return _float(u & SIGN if (u & EXPONENT) == 0 else u)
+    return x
+
+
+@njit(inline="always")
+def _nonfinite(x):
+    return (_bits(x) & EXPONENT) == EXPONENT
+
+
+@njit(inline="always")
+def _subnormal(x):
+    u = _bits(x)
+    return ((u & EXPONENT) == 0) & ((u & ~SIGN) != 0)
+
+
+@njit(inline="always")
+def _coded(v, r, kind):
+    """The quantity a kernel quantizes for one element. It is not flushed: a subnormal one
+    falls in LC's dropped bucket and rounds to Step's multiple 0 either way, and only the
+    reconstruction (flushed where XLA flushes) must match XLA bit for bit."""
+    if kind in (LC_DIRECT, STEP_DIRECT):
+        return v
+    if kind == LC_LOG:
+        if (v > 0) & (r > 0):
+            return np.float32(np.log(v)) - np.float32(np.log(r))
+        return np.float32(0.0)
+    return v - r
+
+
+@njit(nogil=True, cache=True)
+def lc_statistics(value, reference, kind, daz, top, bottom, count):
+    """Pass 1 of LC: per slot (sign and biased exponent of the
+    coded value) its largest and smallest coded value and count, into ``top`` (start -inf),
+    ``bottom`` (+inf), ``count`` (0). Returns ``(finite, nonnegative, subnormal, newborn)``:
+    every value, reference and ``value - reference`` finite; every value ``>= 0``; some
+    value or reference subnormal; the largest positive value whose reference is ``<= 0``."""
+    has_ref = kind in (LC_DELTA, LC_LOG)
+    bad = False
+    negative = False
+    subnormal = False
+    newborn = np.float32(0.0)
+    for i in range(value.size):  # (a range(lo, hi) loop ran 1.7x slower)
+        v = _flush(value[i], daz)
+        r = _flush(reference[i], daz) if has_ref else np.float32(0.0)
+        bad |= _nonfinite(v) | _nonfinite(r) | _nonfinite(v - r)
+        negative |= v < 0
+        subnormal |= _subnormal(value[i]) | _subnormal(r)
+        if kind == LC_LOG:
+            newborn = max(newborn, v if (r <= 0) & (v > 0) else np.float32(0.0))
+        x = _coded(v, r, kind)
+        slot = _bits(x) >> 23
+        top[slot] = max(top[slot], x)
+        bottom[slot] = min(bottom[slot], x)
+        count[slot] += 1
+    return not bad, not negative, subnormal, newborn
+
+
+@njit(nogil=True, cache=True)
+def lc_write(value, reference, kind, daz, flush, table, reps, lift_symbol, nonnegative,
+             born_symbol, born_value, symbols, recon):
+    """Pass 2 of LC: every element's symbol and reconstruction (into
+    ``symbols``, ``recon``); returns ``(recon finite, sign kept, ||recon - value||^2,
+    ||value||^2)`` (sign kept: a non-negative leaf decodes non-negative, and positive where
+    positive; True for other leaves).
+
+    ``table``: slot -> symbol (0 for zeros, subnormals, inf, nan); ``reps``: symbol ->
+    decoded delta or value, or (log domain) symbol -> factor; ``lift_symbol``: the symbol of
+    the smallest kept positive bucket (0: none) for newborn elements of a non-negative leaf.
+    Conditions are bitwise operations and selects: data-dependent branches mispredict.
+    """
+    bad = False
+    broken = False
+    err = 0.0
+    norm = 0.0
+    lift = nonnegative and lift_symbol > 0
+    for i in range(value.size):  # (a range(lo, hi) loop ran 1.7x slower)
+        v = _flush(value[i], daz)
+        r = _flush(reference[i], daz) if kind != LC_DIRECT else np.float32(0.0)
+        s = table[_bits(_coded(v, r, kind)) >> 23]
+        if kind == LC_DIRECT:
+            out = reps[s]
+        elif kind == LC_LOG:
+            born = (r <= 0) & (v > 0)
+            s = np.uint8(born_symbol) if born else s
+            out = born_value if born else min(_flush(r * reps[s], flush), FMAX)  # nan stays
+        else:
+            if lift:
+                s = np.uint8(lift_symbol) if (s == 0) & (r <= 0) & (v > 0) else s
+            out = _flush(r + reps[s], flush)
+            if nonnegative:  # an overshooting decrease keeps the (positive) reference
+                overshoot = (r > 0) & ((out < 0) | ((out <= 0) & (v > 0)))
+                s = np.uint8(0) if overshoot else s
+                out = reference[i] if overshoot else out
+        symbols[i] = s
+        recon[i] = out
+        bad |= _nonfinite(out)
+        if nonnegative:
+            broken |= ~((out >= 0) & ((v <= 0) | (out > 0)))
+        d = np.float64(out) - np.float64(value[i])
+        err += d * d
+        norm += np.float64(value[i]) * np.float64(value[i])
+    return not bad, not broken, err, norm
+
+
+@njit(nogil=True, cache=True)
+def step_statistics(value, reference, kind, daz):
+    """Pass 1 of Step: ``(finite, nonnegative, subnormal, amax, sum of
+    squares)`` of the coded values (flags as :func:`lc_statistics`)."""
+    bad = False
+    negative = False
+    subnormal = False
+    amax = np.float32(0.0)
+    sumsq = 0.0
+    for i in range(value.size):  # (a range(lo, hi) loop ran 1.7x slower)
+        v = _flush(value[i], daz)
+        r = _flush(reference[i], daz) if kind == STEP_DELTA else np.float32(0.0)
+        bad |= _nonfinite(v) | _nonfinite(r) | _nonfinite(v - r)
+        negative |= v < 0
+        subnormal |= _subnormal(value[i]) | _subnormal(r)
+        x = _coded(v, r, kind)
+        amax = max(amax, abs(x))
+        sumsq += np.float64(x) * np.float64(x)
+    return not bad, not negative, subnormal, amax, sumsq
+
+
+@njit(nogil=True, cache=True)
+def step_write(value, reference, kind, daz, flush, step, levels, nonnegative, symbols,
+               recon):
+    """Pass 2 of Step: symbols (nearest multiple of ``step`` plus 128) and
+    reconstruction; returns as :func:`lc_write`."""
+    bad = False
+    broken = False
+    err = 0.0
+    norm = 0.0
+    low = np.float32(-MAX_MULTIPLE)
+    high = np.float32(MAX_MULTIPLE)
+    for i in range(value.size):  # (a range(lo, hi) loop ran 1.7x slower)
+        v = _flush(value[i], daz)
+        r = _flush(reference[i], daz) if kind == STEP_DELTA else np.float32(0.0)
+        q = min(max(np.rint(_coded(v, r, kind) / step), low), high)
+        s = np.uint8(np.int32(q) + CENTER)
+        out = levels[s]
+        if kind == STEP_DELTA:
+            out = _flush(r + out, flush)
+        symbols[i] = s
+        recon[i] = out
+        bad |= _nonfinite(out)
+        if nonnegative:
+            broken |= ~((out >= 0) & ((v <= 0) | (out > 0)))
+        d = np.float64(out) - np.float64(value[i])
+        err += d * d
+        norm += np.float64(value[i]) * np.float64(value[i])
+    return not bad, not broken, err, norm
+
+
+# ------------------------------------------------------------------------------ tables
+
+
+def _flush_array(x: np.ndarray, flush: bool) -> np.ndarray:
+    if not flush:
+        return x
+    return np.where(np.abs(x) < TINY, np.copysign(np.float32(0), x), x).astype(x.dtype)
+
+
+def _slot_buckets() -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' slots of normal numbers and their ``lc.segment_ids`` buckets."""
+    sign, field = np.divmod(np.arange(SLOTS), 256)
+    normal = (field > 0) & (field < 255)
+    return np.nonzero(normal)[0], (2 * (field + BUCKET_OFFSET) + sign)[normal]
+
+
+NORMAL_SLOTS, SLOT_BUCKETS = _slot_buckets()
+
+
+def lc_tables(top: np.ndarray, bottom: np.ndarray, count: np.ndarray, bits: int,
+              reserve: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+    """``lc.promote``'s tables from the per-slot statistics: ``(slot -> symbol, symbol ->
+    representative, lift symbol)``, in the same float32 arithmetic (tests compare them with
+    the XLA program)."""
+    b_top = np.full(N_BUCKETS, -np.inf, np.float32)
+    b_bottom = np.full(N_BUCKETS, np.inf, np.float32)
+    b_count = np.zeros(N_BUCKETS, np.int64)
+    b_top[SLOT_BUCKETS] = top[NORMAL_SLOTS]
+    b_bottom[SLOT_BUCKETS] = bottom[NORMAL_SLOTS]
+    b_count[SLOT_BUCKETS] = count[NORMAL_SLOTS]
+    n_symbols = 2**bits - reserve
+    negative = np.arange(N_BUCKETS) % 2 == 1
+    present = (b_count > 0).reshape(-1, 2)
+    per_exponent = present.sum(axis=1)
+    from_top = np.cumsum(per_exponent[::-1])[::-1]
+    keep = present & (from_top <= n_symbols - 1)[:, None]
+    if n_symbols <= 2 and not keep.any() and per_exponent.any():
+        top_exponent = int(np.max(np.nonzero(per_exponent > 0)[0]))
+        fuller = 1 if b_count[2 * top_exponent + 1] > b_count[2 * top_exponent] else 0
+        keep[top_exponent, fuller] = present[top_exponent, fuller]
+    keep = keep.reshape(-1)
+    rank = np.cumsum(keep[::-1].astype(np.int64))[::-1]
+    symbol_of_bucket = np.where(keep, rank, 0).astype(np.uint8)
+    max_mag = np.where(negative, -b_bottom, b_top).astype(np.float32)
+    min_mag = np.where(negative, -b_top, b_bottom).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        midrange = (max_mag + min_mag) * np.float32(0.5)
+    reps = np.zeros(2**bits, np.float32)
+    for b in np.nonzero(keep)[0]:
+        reps[symbol_of_bucket[b]] = -midrange[b] if negative[b] else midrange[b]
+    table = np.zeros(SLOTS, np.uint8)
+    table[NORMAL_SLOTS] = symbol_of_bucket[SLOT_BUCKETS]
+    positive_kept = keep & ~negative
+    lift = int(symbol_of_bucket[int(np.argmax(positive_kept))]) if positive_kept.any() else 0
+    return table, reps, lift
+
+
+def step_of(amax: np.float32, sumsq: float, n: int, rel: float, flush: bool) -> np.float32:
+    """``step.step_size`` from the kernel's statistics (float32 steps, as the XLA program;
+    the mean square in float64)."""
+    amax = np.float32(amax)
+    if not amax > 0:
+        return np.float32(1.0)
+    rms = np.float32(math.sqrt(sumsq / n)) if n else amax
+    with np.errstate(over="ignore", under="ignore"):
+        step = min(np.float32(np.float32(rel) * rms), amax)
+        floor = _flush_array(np.asarray([amax / np.float32(MAX_MULTIPLE)], np.float32), flush)
+    return np.float32(max(step, floor[0]))
+
+
+def step_levels(step: np.float32, flush: bool) -> np.ndarray:
+    """``step.levels``: the 256 decoded values ``(symbol - 128) * step`` in float32, with
+    XLA's flushing of a subnormal step and of subnormal products."""
+    operand = _flush_array(np.asarray([step], np.float32), flush)[0]
+    with np.errstate(over="ignore", under="ignore"):
+        values = (np.arange(2 * CENTER, dtype=np.int32) - CENTER).astype(np.float32) * operand
+    return _flush_array(values.astype(np.float32), flush)
+
+
+# ------------------------------------------------------------------------------ dispatch
+
+
+def _probe_flush() -> bool:
+    cpu = jax.local_devices(backend="cpu")[0]
+    a = jax.device_put(np.asarray([1e-39, 1e-38, 2.0], np.float32), cpu)
+    b = jax.device_put(np.asarray([0.0, -9.99e-39, 1.0], np.float32), cpu)
+    out, positive = jax.jit(lambda x, y: (x + y, x > 0))(a, b)
+    out, positive = np.asarray(out), np.asarray(positive)
+    return bool(out[0] == 0 and out[1] == 0 and not positive[0])
+
+
+_FLUSH: bool | None = None
+_FLUSH_LOCK = threading.Lock()
+
+
+def xla_flushes_subnormals() -> bool:
+    """Whether XLA:CPU treats subnormal float32 operands and results as zero (probed once per
+    process with one tiny program, in the commit thread of the first save that uses a host
+    kernel)."""
+    global _FLUSH
+    with _FLUSH_LOCK:
+        if _FLUSH is None:
+            _FLUSH = _probe_flush()
+        return _FLUSH
+
+
+def _kind(codec: Codec) -> int | None:
+    if isinstance(codec, Step):
+        return STEP_DELTA if codec.mode == "delta" else STEP_DIRECT
+    if isinstance(codec, LC):
+        if codec.domain == "log":
+            return LC_LOG
+        return LC_DELTA if codec.mode == "delta" else LC_DIRECT
+    return None
+
+
+def _on_one_cpu(x: Any) -> bool:
+    if not isinstance(x, jax.Array):
+        return False
+    devices = x.sharding.device_set
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
+def host_kernel(value: Any, reference: Any, codec: Codec) -> int | None:
+    """The kernel kind that encodes this leaf on the host, or None (the XLA program does):
+    a float32 ``jax.Array`` on one CPU device of a single-process run, coded with ``LC`` or
+    ``Step``, its reference (for delta codecs) of the same shape and dtype."""
+    if os.environ.get(ENV, "1") == "0" or jax.process_count() > 1:
+        return None
+    kind = _kind(codec)
+    if kind is None or not _on_one_cpu(value) or value.dtype != jnp.float32 or value.size == 0:
+        return None
+    if codec.needs_reference and (reference is None or tuple(np.shape(reference)) != value.shape
+                                  or np.dtype(reference.dtype) != np.float32):
+        return None
+    return kind
+
+
+#: a leaf of at least this many elements runs each pass on every core, in ranges
+SPLIT_ELEMENTS = 1 << 21
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _ranges(n: int) -> list[tuple[int, int]]:
+    parts = min(available_cores(), max(1, n // SPLIT_ELEMENTS))
+    cuts = [n * k // parts for k in range(parts + 1)]
+    return list(itertools.pairwise(cuts))
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Workers for the ranges of large leaves. The kernels hold no lock and wait for
+    nothing, so the save's leaf workers can share them without deadlock."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(
+                available_cores(), thread_name_prefix="orbax_lossy_kernel")
+        return _POOL
+
+
+def _run(kernel: Any, n: int, args_of: Callable[[slice, int], tuple]) -> list[Any]:
+    """``kernel(*args_of(part, k))`` for the ranges ``part`` (numbered ``k``) covering
+    ``[0, n)``: on every core for a large leaf, else on this thread. The kernels take
+    slices of the per-element arrays and loop over their whole size."""
+    parts = [slice(lo, hi) for lo, hi in _ranges(n)]
+    if len(parts) == 1:
+        return [kernel(*args_of(parts[0], 0))]
+    futures = [_pool().submit(kernel, *args_of(part, k)) for k, part in enumerate(parts)]
+    return [f.result() for f in futures]
+
+
+def _flat(x: Any) -> np.ndarray:
+    """A flat float32 numpy view of a CPU array's buffer (no copy)."""
+    return np.asarray(x).reshape(-1)
+
+
+def _lc_statistics(v: np.ndarray, r: np.ndarray, kind: int, daz: bool) -> tuple:
+    """:func:`lc_statistics` over the ranges, each into its own arrays, then merged."""
+    parts = [(np.full(SLOTS, -np.inf, np.float32), np.full(SLOTS, np.inf, np.float32),
+              np.zeros(SLOTS, np.int64)) for _ in _ranges(v.size)]
+    flags = _run(lc_statistics, v.size,
+                 lambda part, k: (v[part], r[part], kind, daz, *parts[k]))
+    top = np.max([p[0] for p in parts], axis=0)
+    bottom = np.min([p[1] for p in parts], axis=0)
+    count = np.sum([p[2] for p in parts], axis=0)
+    return (all(f[0] for f in flags), all(f[1] for f in flags), any(f[2] for f in flags),
+            np.float32(max(f[3] for f in flags)), top, bottom, count)
+
+
+def _combine_writes(results: list[tuple]) -> tuple[bool, bool, float, float]:
+    return (all(x[0] for x in results), all(x[1] for x in results),
+            sum(x[2] for x in results), sum(x[3] for x in results))
+
+
+def encode(value: jax.Array, reference: Any, codec: Codec, kind: int) -> dict[str, Any]:
+    """Encode one leaf with a host kernel: the result of ``device.encode_tree`` for it
+    (``fields``, ``side``, ``recon``, ``safe``, ``rel_error``, ``same``), with numpy fields."""
+    flush = xla_flushes_subnormals()
+    v = _flat(value)
+    r = _flat(reference) if codec.needs_reference else v
+    n = v.size
+    symbols = aligned_empty(n, np.uint8)
+    recon = aligned_empty(n, np.float32)
+    side: dict[str, np.ndarray] = {}
+    if kind in (STEP_DELTA, STEP_DIRECT):
+        assert isinstance(codec, Step)
+
+        def statistics(daz: bool) -> tuple:
+            parts = _run(step_statistics, n, lambda part, k: (v[part], r[part], kind, daz))
+            return (all(p[0] for p in parts), all(p[1] for p in parts),
+                    any(p[2] for p in parts), np.float32(max(p[3] for p in parts)),
+                    sum(p[4] for p in parts))
+
+        finite, nonnegative, subnormal, amax, sumsq = statistics(False)
+        daz = flush and subnormal
+        if daz:  # XLA reads subnormal operands as zeros: measure what it would
+            finite, nonnegative, _, amax, sumsq = statistics(True)
+        safe = bool(finite)
+        if safe:
+            step = step_of(amax, sumsq, n, float(codec.rel), flush)
+            levels = step_levels(step, flush)
+            finite, kept, err, norm = _combine_writes(_run(
+                step_write, n, lambda part, k: (v[part], r[part], kind, daz, flush, step, levels,
+                                                bool(nonnegative), symbols[part], recon[part])))
+            side = {"step": np.asarray([step], np.float32)}
+    else:
+        assert isinstance(codec, LC)
+        finite, nonnegative, subnormal, newborn, top, bottom, count = _lc_statistics(
+            v, r, kind, False)
+        daz = flush and subnormal
+        if daz:
+            finite, nonnegative, _, newborn, top, bottom, count = _lc_statistics(v, r, kind, True)
+        safe = bool(finite)
+        if safe:
+            reserve = 1 if kind == LC_LOG else 0
+            table, reps, lift = lc_tables(top, bottom, count, codec.bits, reserve)
+            if kind == LC_LOG:
+                with np.errstate(over="ignore", under="ignore"):
+                    factor = np.exp(reps).astype(np.float32)
+                factor[0] = factor[-1] = 1
+                reps = _flush_array(factor, flush)
+                side = {"factor": reps, "born": np.asarray([newborn], np.float32)}
+            else:
+                side = {"rep": reps}
+            born = (2**codec.bits - 1, np.float32(newborn))
+            finite, kept, err, norm = _combine_writes(_run(
+                lc_write, n, lambda part, k: (v[part], r[part], kind, daz, flush, table, reps,
+                                              lift, bool(nonnegative), *born, symbols[part],
+                                              recon[part])))
+    if safe:
+        safe = bool(finite) and (not nonnegative or bool(kept))
+    if not safe:  # stored exactly for this save (never garbage), as the XLA guard decides
+        recon[:] = v
+        rel_error = 0.0
+        side = {}
+    else:
+        rel_error = math.sqrt(err) / max(math.sqrt(norm), 1e-30) if norm > 0 else math.sqrt(err)
+    device = next(iter(value.sharding.device_set))
+    return {
+        "fields": {"sym": symbols.reshape(value.shape)},
+        "side": side,
+        "recon": jax.device_put(recon.reshape(value.shape), device),
+        "safe": np.bool_(safe),
+        "rel_error": np.float32(rel_error),
+        "same": np.bool_(False),
+    }
