@@ -99,8 +99,9 @@ def test_kernel_matches_the_xla_program(codec, value: np.ndarray, reference: np.
     else:  # a step from another summation order, ratios from another log: nearly the same
         agree = np.mean(host["fields"]["sym"] == xla["fields"]["sym"])
         assert agree >= 0.999 or value.size < 1000 and agree >= 0.6
+        # (XLA's log(v) - log(r) loses a few ulps of |log v|, the kernels' log(v / r) does not)
         for name, side in host["side"].items():
-            np.testing.assert_allclose(side, xla["side"][name], rtol=2e-6, atol=0)
+            np.testing.assert_allclose(side, xla["side"][name], rtol=2e-5, atol=0)
     xla_err = float(xla["rel_error"])
     if np.isfinite(xla_err) and xla_err > 1e-6:
         assert float(host["rel_error"]) == pytest.approx(xla_err, rel=2e-3)

@@ -121,20 +121,23 @@ def _coded(v, r, kind):
     reconstruction (flushed where XLA flushes) must match XLA bit for bit."""
     if kind in (LC_DIRECT, STEP_DIRECT):
         return v
-    if kind == LC_LOG:
+    if kind == LC_LOG:  # one logarithm (the XLA program takes log(v) - log(r))
         if (v > 0) & (r > 0):
-            return np.float32(np.log(v)) - np.float32(np.log(r))
+            return np.float32(np.log(v / r))
         return np.float32(0.0)
     return v - r
 
 
 @njit(nogil=True, cache=True)
-def lc_statistics(value, reference, kind, daz, top, bottom, count):
+def lc_statistics(value, reference, kind, daz, top, bottom, count, coded):
     """Pass 1 of LC: per slot (sign and biased exponent of the
     coded value) its largest and smallest coded value and count, into ``top`` (start -inf),
     ``bottom`` (+inf), ``count`` (0). Returns ``(finite, nonnegative, subnormal, newborn)``:
     every value, reference and ``value - reference`` finite; every value ``>= 0``; some
-    value or reference subnormal; the largest positive value whose reference is ``<= 0``."""
+    value or reference subnormal; the largest positive value whose reference is ``<= 0``.
+    In the log domain the coded ratios are kept in ``coded`` (the reconstruction's buffer,
+    which :func:`lc_write` reads them from and overwrites): a logarithm is the costliest
+    step of the kernels."""
     has_ref = kind in (LC_DELTA, LC_LOG)
     bad = False
     negative = False
@@ -149,6 +152,8 @@ def lc_statistics(value, reference, kind, daz, top, bottom, count):
         if kind == LC_LOG:
             newborn = max(newborn, v if (r <= 0) & (v > 0) else np.float32(0.0))
         x = _coded(v, r, kind)
+        if kind == LC_LOG:
+            coded[i] = x
         slot = _bits(x) >> 23
         top[slot] = max(top[slot], x)
         bottom[slot] = min(bottom[slot], x)
@@ -177,7 +182,7 @@ def lc_write(value, reference, kind, daz, flush, table, reps, lift_symbol, nonne
     for i in range(value.size):  # (a range(lo, hi) loop ran 1.7x slower)
         v = _flush(value[i], daz)
         r = _flush(reference[i], daz) if kind != LC_DIRECT else np.float32(0.0)
-        s = table[_bits(_coded(v, r, kind)) >> 23]
+        s = table[_bits(recon[i] if kind == LC_LOG else _coded(v, r, kind)) >> 23]
         if kind == LC_DIRECT:
             out = reps[s]
         elif kind == LC_LOG:
@@ -431,12 +436,13 @@ def _flat(x: Any) -> np.ndarray:
     return np.asarray(x).reshape(-1)
 
 
-def _lc_statistics(v: np.ndarray, r: np.ndarray, kind: int, daz: bool) -> tuple:
+def _lc_statistics(v: np.ndarray, r: np.ndarray, kind: int, daz: bool,
+                   coded: np.ndarray) -> tuple:
     """:func:`lc_statistics` over the ranges, each into its own arrays, then merged."""
     parts = [(np.full(SLOTS, -np.inf, np.float32), np.full(SLOTS, np.inf, np.float32),
               np.zeros(SLOTS, np.int64)) for _ in _ranges(v.size)]
     flags = _run(lc_statistics, v.size,
-                 lambda part, k: (v[part], r[part], kind, daz, *parts[k]))
+                 lambda part, k: (v[part], r[part], kind, daz, *parts[k], coded[part]))
     top = np.max([p[0] for p in parts], axis=0)
     bottom = np.min([p[1] for p in parts], axis=0)
     count = np.sum([p[2] for p in parts], axis=0)
@@ -483,10 +489,11 @@ def encode(value: jax.Array, reference: Any, codec: Codec, kind: int) -> dict[st
     else:
         assert isinstance(codec, LC)
         finite, nonnegative, subnormal, newborn, top, bottom, count = _lc_statistics(
-            v, r, kind, False)
+            v, r, kind, False, recon)
         daz = flush and subnormal
         if daz:
-            finite, nonnegative, _, newborn, top, bottom, count = _lc_statistics(v, r, kind, True)
+            finite, nonnegative, _, newborn, top, bottom, count = _lc_statistics(
+                v, r, kind, True, recon)
         safe = bool(finite)
         if safe:
             reserve = 1 if kind == LC_LOG else 0
