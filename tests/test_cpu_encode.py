@@ -202,3 +202,4 @@ def test_saved_chain_is_identical_with_and_without_kernels(tmp_path, monkeypatch
             payloads[env] = (root / "3" / "default" / "data.p0.bin").read_bytes()
         if name == "lc":
             assert payloads["1"] == payloads["0"]
+

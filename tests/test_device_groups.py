@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import orbax_lossy as ol
-from orbax_lossy.engine import device
+from orbax_lossy.engine import cpu_encode, device
 
 
 def test_leaf_groups_are_consecutive_and_bounded() -> None:
@@ -30,11 +30,13 @@ def _pairs(n: int, rng: np.random.Generator) -> dict:
                        **{f"b{i}": jnp.full((8,), 0.5) for i in range(n)}}}
 
 
-def test_saves_compile_one_program_per_class_of_leaves(tmp_path) -> None:
+def test_saves_compile_one_program_per_class_of_leaves(tmp_path, monkeypatch) -> None:
     """The encode programs are cached per class of leaves (shape, dtype, sharding, codec), so
     a tree with 3x the leaves of the same classes compiles nothing new, and weakly typed
     leaves (copied at a first save, held without a copy later, restored strong) do not
-    compile their programs again either."""
+    compile their programs again either. (The XLA path, as on GPU/TPU: the CPU kernels of
+    float32 LC/Step leaves are off here.)"""
+    monkeypatch.setenv(cpu_encode.ENV, "0")
     rng = np.random.default_rng(1)
     device.encode_tree.clear_cache()
     counts = []
@@ -60,8 +62,11 @@ def test_per_leaf_programs_run_on_the_leaf_pool_and_their_failures_surface(
         tmp_path, monkeypatch, assert_bitwise) -> None:
     """A single-process save runs its per-leaf encode programs on the leaf pool's threads
     (not one after another on the commit thread); an exception in one of them fails that
-    save in ``wait_until_finished`` and the next save is a base that restores."""
+    save in ``wait_until_finished`` and the next save is a base that restores. (The XLA
+    programs: the CPU kernels are off; their failures: the next test.)"""
     import threading
+
+    monkeypatch.setenv(cpu_encode.ENV, "0")
 
     from orbax_lossy.format.manifest import read_manifest
 
@@ -93,6 +98,54 @@ def test_per_leaf_programs_run_on_the_leaf_pool_and_their_failures_surface(
     mngr.wait_until_finished()
     assert read_manifest(tmp_path / "2" / "default").header.save_type == "base"
     restored = mngr.restore(2)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(later), strict=True):
+        assert_bitwise(np.asarray(a), np.asarray(b))
+    mngr.close()
+
+
+def test_cpu_kernels_run_on_the_leaf_pool_and_their_failures_surface(
+        tmp_path, monkeypatch, assert_bitwise) -> None:
+    """On CPU, float32 LC/Step leaves take the numba kernels, on the leaf pool's threads, and
+    compile no XLA encode program; an exception in a kernel fails that save in
+    ``wait_until_finished`` and the next save is a base that restores."""
+    import threading
+
+    from orbax_lossy.format.manifest import read_manifest
+
+    rng = np.random.default_rng(2)
+    state = {"params": {f"w{i}": jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+                        for i in range(4)}}
+    threads: set[str] = set()
+    real = cpu_encode.encode
+    fail = {"on": False}
+
+    def recording(value, reference, codec, kind):
+        threads.add(threading.current_thread().name)
+        if fail["on"]:
+            raise RuntimeError("injected kernel failure")
+        return real(value, reference, codec, kind)
+
+    monkeypatch.setattr(cpu_encode, "encode", recording)
+    policy = ol.LeafPolicy.create(defaults={"param": ol.LC(3)},
+                                  base_defaults={"param": ol.Exact()})
+    mngr = ol.checkpoint_manager(tmp_path, max_to_keep=None, policy=policy)
+    mngr.save(0, args=ol.LossySave(state))
+    mngr.wait_until_finished()
+    device.encode_tree.clear_cache()
+    mngr.save(1, args=ol.LossySave(jax.tree.map(lambda x: x + 1e-3, state)))
+    mngr.wait_until_finished()
+    assert device.encode_tree._cache_size() == 0  # every delta leaf took a kernel
+    assert threads and all(t.startswith("orbax_lossy_encode") for t in threads), threads
+    fail["on"] = True
+    mngr.save(2, args=ol.LossySave(jax.tree.map(lambda x: x + 2e-3, state)))
+    with pytest.raises(RuntimeError, match="injected kernel failure"):
+        mngr.wait_until_finished()
+    fail["on"] = False
+    later = jax.tree.map(lambda x: x + 3e-3, state)
+    mngr.save(3, args=ol.LossySave(later))
+    mngr.wait_until_finished()
+    assert read_manifest(tmp_path / "3" / "default").header.save_type == "base"
+    restored = mngr.restore(3)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(later), strict=True):
         assert_bitwise(np.asarray(a), np.asarray(b))
     mngr.close()
