@@ -128,6 +128,18 @@ def _coded(v, r, kind):
     return v - r
 
 
+@njit(inline="always")
+def _account(out, v, value, nonnegative, bad, broken, err, norm):
+    """The write passes' guard and error for one element: ``out`` not finite; a
+    non-negative leaf decoded negative, or zero where positive (``v`` flushed); the squared
+    error against the unflushed ``value`` and its square."""
+    bad |= _nonfinite(out)
+    if nonnegative:
+        broken |= ~((out >= 0) & ((v <= 0) | (out > 0)))
+    d = np.float64(out) - np.float64(value)
+    return bad, broken, err + d * d, norm + np.float64(value) * np.float64(value)
+
+
 @njit(nogil=True, cache=True)
 def lc_statistics(value, reference, kind, daz, top, bottom, count, coded):
     """Pass 1 of LC: per slot (sign and biased exponent of the
@@ -199,12 +211,7 @@ def lc_write(value, reference, kind, daz, flush, table, reps, lift_symbol, nonne
                 out = reference[i] if overshoot else out
         symbols[i] = s
         recon[i] = out
-        bad |= _nonfinite(out)
-        if nonnegative:
-            broken |= ~((out >= 0) & ((v <= 0) | (out > 0)))
-        d = np.float64(out) - np.float64(value[i])
-        err += d * d
-        norm += np.float64(value[i]) * np.float64(value[i])
+        bad, broken, err, norm = _account(out, v, value[i], nonnegative, bad, broken, err, norm)
     return not bad, not broken, err, norm
 
 
@@ -250,12 +257,7 @@ def step_write(value, reference, kind, daz, flush, step, levels, nonnegative, sy
             out = _flush(r + out, flush)
         symbols[i] = s
         recon[i] = out
-        bad |= _nonfinite(out)
-        if nonnegative:
-            broken |= ~((out >= 0) & ((v <= 0) | (out > 0)))
-        d = np.float64(out) - np.float64(value[i])
-        err += d * d
-        norm += np.float64(value[i]) * np.float64(value[i])
+        bad, broken, err, norm = _account(out, v, value[i], nonnegative, bad, broken, err, norm)
     return not bad, not broken, err, norm
 
 
