@@ -165,9 +165,10 @@ def bucket_table(x: jax.Array) -> dict[str, jax.Array]:
     }
 
 
-def kept_buckets(counts: np.ndarray, bits: int) -> np.ndarray:
-    """Which (sign, exponent) buckets :func:`promote` keeps, from the bucket counts (numpy)."""
-    n_symbols = 2**bits
+def kept_buckets(counts: np.ndarray, bits: int, reserve: int = 0) -> np.ndarray:
+    """Which (sign, exponent) buckets :func:`promote` keeps, from the bucket counts (numpy;
+    ``reserve`` as in :func:`promote`)."""
+    n_symbols = 2**bits - reserve
     present = (counts > 0).reshape(-1, 2)
     per_exponent = present.sum(axis=1)
     from_top = np.cumsum(per_exponent[::-1])[::-1]

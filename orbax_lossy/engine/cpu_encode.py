@@ -46,7 +46,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from orbax_lossy.codecs.base import Codec
-from orbax_lossy.codecs.lc import LC
+from orbax_lossy.codecs.lc import LC, kept_buckets
 from orbax_lossy.codecs.step import CENTER, MAX_MULTIPLE, Step
 from orbax_lossy.entropy.stream import aligned_empty
 from orbax_lossy.threads import available_cores
@@ -291,17 +291,8 @@ def lc_tables(top: np.ndarray, bottom: np.ndarray, count: np.ndarray, bits: int,
     b_top[SLOT_BUCKETS] = top[NORMAL_SLOTS]
     b_bottom[SLOT_BUCKETS] = bottom[NORMAL_SLOTS]
     b_count[SLOT_BUCKETS] = count[NORMAL_SLOTS]
-    n_symbols = 2**bits - reserve
     negative = np.arange(N_BUCKETS) % 2 == 1
-    present = (b_count > 0).reshape(-1, 2)
-    per_exponent = present.sum(axis=1)
-    from_top = np.cumsum(per_exponent[::-1])[::-1]
-    keep = present & (from_top <= n_symbols - 1)[:, None]
-    if n_symbols <= 2 and not keep.any() and per_exponent.any():
-        top_exponent = int(np.max(np.nonzero(per_exponent > 0)[0]))
-        fuller = 1 if b_count[2 * top_exponent + 1] > b_count[2 * top_exponent] else 0
-        keep[top_exponent, fuller] = present[top_exponent, fuller]
-    keep = keep.reshape(-1)
+    keep = kept_buckets(b_count, bits, reserve)
     rank = np.cumsum(keep[::-1].astype(np.int64))[::-1]
     symbol_of_bucket = np.where(keep, rank, 0).astype(np.uint8)
     max_mag = np.where(negative, -b_bottom, b_top).astype(np.float32)
