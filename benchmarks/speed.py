@@ -200,7 +200,7 @@ def timed_restore(cfg: Config, step: int, target: Any) -> tuple[dict[str, float]
     return {"restore": t1 - t0, "rss_restore": mem.extra}, restored
 
 
-def device_encode_gbps(mb: int = 64, repeats: int = 5, path: str = "xla") -> float:
+def device_encode_gbps(mb: int = 64, repeats: int = 9, path: str = "xla") -> float:
     """GB/s of input through the LC(3) float32 delta encode of one leaf alone: the jitted XLA
     program (``path="xla"``), or what a save runs for it (``"save"``: on CPU the numba
     kernels of ``engine/cpu_encode.py``, elsewhere the same XLA program)."""
@@ -219,9 +219,9 @@ def device_encode_gbps(mb: int = 64, repeats: int = 5, path: str = "xla") -> flo
             jax.block_until_ready(out["recon"])
             [c.result() for shards in copies.values() for _, c in shards]
 
-    run()
+    run()  # compiles (XLA program, or loads the numba kernels)
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats):  # the median of several: this shared machine's runs vary 2x
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)

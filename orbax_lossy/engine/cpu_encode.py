@@ -31,6 +31,7 @@ programs):
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import math
 import os
@@ -140,60 +141,74 @@ def _account(out, v, value, nonnegative, bad, broken, err, norm):
     return bad, broken, err + d * d, norm + np.float64(value) * np.float64(value)
 
 
-@njit(nogil=True, cache=True)
-def lc_statistics(value, reference, kind, daz, top, bottom, count, coded):
-    """Pass 1 of LC: per slot (sign and biased exponent of the
-    coded value) its largest and smallest coded value and count, into ``top`` (start -inf),
-    ``bottom`` (+inf), ``count`` (0). Returns ``(finite, nonnegative, subnormal, newborn)``:
-    every value, reference and ``value - reference`` finite; every value ``>= 0``; some
-    value or reference subnormal; the largest positive value whose reference is ``<= 0``.
-    In the log domain the coded ratios are kept in ``coded`` (the reconstruction's buffer,
-    which :func:`lc_write` reads them from and overwrites): a logarithm is the costliest
-    step of the kernels."""
+#: elements per step of the write passes' loops: their squared errors and norms accumulate in
+#: that many independent sums (one chain of float64 additions bounds a loop by its latency)
+UNROLL = 4
+
+
+@functools.cache
+def lc_statistics_kernel(kind: int, daz: bool) -> Callable[..., tuple]:
+    """Pass 1 of LC, compiled for one kind and one handling of subnormal operands (numba
+    folds the constants; with them as runtime arguments the passes ran 1.3-3.5x slower):
+    ``kernel(value, reference, top, bottom, count, coded)`` gathers per slot (sign and
+    biased exponent of the coded value) its largest and smallest coded value and count, into
+    ``top`` (start -inf), ``bottom`` (+inf), ``count`` (0), and returns ``(finite,
+    nonnegative, subnormal, newborn)``: every value, reference and ``value - reference``
+    finite; every value ``>= 0``; some value or reference subnormal; the largest positive
+    value whose reference is ``<= 0``. In the log domain the coded ratios are kept in
+    ``coded`` (the reconstruction's buffer, which the write pass reads them from and
+    overwrites): a logarithm is the costliest step of the kernels."""
     has_ref = kind in (LC_DELTA, LC_LOG)
-    bad = False
-    negative = False
-    subnormal = False
-    newborn = np.float32(0.0)
-    for i in range(value.size):  # (a range(lo, hi) loop ran 1.7x slower)
-        v = _flush(value[i], daz)
-        r = _flush(reference[i], daz) if has_ref else np.float32(0.0)
-        bad |= _nonfinite(v) | _nonfinite(r) | _nonfinite(v - r)
-        negative |= v < 0
-        subnormal |= _subnormal(value[i]) | _subnormal(r)
-        if kind == LC_LOG:
-            newborn = max(newborn, v if (r <= 0) & (v > 0) else np.float32(0.0))
-        x = _coded(v, r, kind)
-        if kind == LC_LOG:
-            coded[i] = x
-        slot = _bits(x) >> 23
-        top[slot] = max(top[slot], x)
-        bottom[slot] = min(bottom[slot], x)
-        count[slot] += 1
-    return not bad, not negative, subnormal, newborn
+    log = kind == LC_LOG
+
+    @njit(nogil=True, cache=True)
+    def lc_statistics(value, reference, top, bottom, count, coded):
+        bad = False
+        negative = False
+        subnormal = False
+        newborn = np.float32(0.0)
+        for i in range(value.size):  # (a range(lo, hi) loop ran 1.7x slower)
+            v = _flush(value[i], daz)
+            r = _flush(reference[i], daz) if has_ref else np.float32(0.0)
+            bad |= _nonfinite(v) | _nonfinite(r) | _nonfinite(v - r)
+            negative |= v < 0
+            subnormal |= _subnormal(value[i]) | _subnormal(r)
+            if log:
+                newborn = max(newborn, v if (r <= 0) & (v > 0) else np.float32(0.0))
+            x = _coded(v, r, kind)
+            if log:
+                coded[i] = x
+            slot = _bits(x) >> 23
+            top[slot] = max(top[slot], x)
+            bottom[slot] = min(bottom[slot], x)
+            count[slot] += 1
+        return not bad, not negative, subnormal, newborn
+
+    return lc_statistics
 
 
-@njit(nogil=True, cache=True)
-def lc_write(value, reference, kind, daz, flush, table, reps, lift_symbol, nonnegative,
-             born_symbol, born_value, symbols, recon):
-    """Pass 2 of LC: every element's symbol and reconstruction (into
-    ``symbols``, ``recon``); returns ``(recon finite, sign kept, ||recon - value||^2,
-    ||value||^2)`` (sign kept: a non-negative leaf decodes non-negative, and positive where
-    positive; True for other leaves).
+@functools.cache
+def lc_write_kernel(kind: int, daz: bool, flush: bool, nonnegative: bool,
+                    lift: bool) -> Callable[..., tuple]:
+    """Pass 2 of LC, compiled per kind and flags: ``kernel((value, reference, table, reps,
+    lift_symbol, born_symbol, born_value, symbols, recon))`` writes every element's symbol
+    and reconstruction (into ``symbols``, ``recon``) and returns ``(recon finite, sign kept,
+    ||recon - value||^2, ||value||^2)`` (sign kept: a non-negative leaf decodes
+    non-negative, and positive where positive; True for other leaves).
 
     ``table``: slot -> symbol (0 for zeros, subnormals, inf, nan); ``reps``: symbol ->
-    decoded delta or value, or (log domain) symbol -> factor; ``lift_symbol``: the symbol of
-    the smallest kept positive bucket (0: none) for newborn elements of a non-negative leaf.
-    Conditions are bitwise operations and selects: data-dependent branches mispredict.
+    decoded delta or value, or (log domain) symbol -> factor; ``lift_symbol`` (where
+    ``lift``): the symbol of the smallest kept positive bucket, for newborn elements of a
+    non-negative leaf. Conditions are bitwise operations and selects: data-dependent
+    branches mispredict.
     """
-    bad = False
-    broken = False
-    err = 0.0
-    norm = 0.0
-    lift = nonnegative and lift_symbol > 0
-    for i in range(value.size):  # (a range(lo, hi) loop ran 1.7x slower)
+    has_ref = kind != LC_DIRECT
+
+    @njit(inline="always")
+    def element(args, i, bad, broken, err, norm):
+        value, reference, table, reps, lift_symbol, born_symbol, born_value, symbols, recon = args
         v = _flush(value[i], daz)
-        r = _flush(reference[i], daz) if kind != LC_DIRECT else np.float32(0.0)
+        r = _flush(reference[i], daz) if has_ref else np.float32(0.0)
         s = table[_bits(recon[i] if kind == LC_LOG else _coded(v, r, kind)) >> 23]
         if kind == LC_DIRECT:
             out = reps[s]
@@ -211,54 +226,89 @@ def lc_write(value, reference, kind, daz, flush, table, reps, lift_symbol, nonne
                 out = reference[i] if overshoot else out
         symbols[i] = s
         recon[i] = out
-        bad, broken, err, norm = _account(out, v, value[i], nonnegative, bad, broken, err, norm)
-    return not bad, not broken, err, norm
+        return _account(out, v, value[i], nonnegative, bad, broken, err, norm)
+
+    @njit(nogil=True, cache=True)
+    def lc_write(args):
+        return _unrolled(element, args, args[0].size)
+
+    return lc_write
 
 
-@njit(nogil=True, cache=True)
-def step_statistics(value, reference, kind, daz):
-    """Pass 1 of Step: ``(finite, nonnegative, subnormal, amax, sum of
-    squares)`` of the coded values (flags as :func:`lc_statistics`)."""
-    bad = False
-    negative = False
-    subnormal = False
-    amax = np.float32(0.0)
-    sumsq = 0.0
-    for i in range(value.size):  # (a range(lo, hi) loop ran 1.7x slower)
-        v = _flush(value[i], daz)
-        r = _flush(reference[i], daz) if kind == STEP_DELTA else np.float32(0.0)
-        bad |= _nonfinite(v) | _nonfinite(r) | _nonfinite(v - r)
-        negative |= v < 0
-        subnormal |= _subnormal(value[i]) | _subnormal(r)
-        x = _coded(v, r, kind)
-        amax = max(amax, abs(x))
-        sumsq += np.float64(x) * np.float64(x)
-    return not bad, not negative, subnormal, amax, sumsq
+@njit(inline="always")
+def _unrolled(element, args, n):
+    """``element(args, i, ...)`` for every ``i < n``, UNROLL at a time, each of them into its
+    own error and norm sums; ``(no element non-finite, none broken, error, norm)``."""
+    bad = broken = False
+    e0 = e1 = e2 = e3 = n0 = n1 = n2 = n3 = 0.0
+    lanes = n - n % UNROLL
+    for i in range(0, lanes, UNROLL):
+        bad, broken, e0, n0 = element(args, i, bad, broken, e0, n0)
+        bad, broken, e1, n1 = element(args, i + 1, bad, broken, e1, n1)
+        bad, broken, e2, n2 = element(args, i + 2, bad, broken, e2, n2)
+        bad, broken, e3, n3 = element(args, i + 3, bad, broken, e3, n3)
+    for i in range(lanes, n):
+        bad, broken, e0, n0 = element(args, i, bad, broken, e0, n0)
+    return not bad, not broken, (e0 + e1) + (e2 + e3), (n0 + n1) + (n2 + n3)
 
 
-@njit(nogil=True, cache=True)
-def step_write(value, reference, kind, daz, flush, step, levels, nonnegative, symbols,
-               recon):
-    """Pass 2 of Step: symbols (nearest multiple of ``step`` plus 128) and
-    reconstruction; returns as :func:`lc_write`."""
-    bad = False
-    broken = False
-    err = 0.0
-    norm = 0.0
+@functools.cache
+def step_statistics_kernel(kind: int, daz: bool) -> Callable[..., tuple]:
+    """Pass 1 of Step, compiled per kind: ``kernel(value, reference)`` returns ``(finite,
+    nonnegative, subnormal, amax, sum of squares)`` of the coded values (flags as
+    :func:`lc_statistics_kernel`)."""
+    has_ref = kind == STEP_DELTA
+
+    @njit(nogil=True, cache=True)
+    def step_statistics(value, reference):
+        bad = False
+        negative = False
+        subnormal = False
+        amax = np.float32(0.0)
+        sumsq = 0.0
+        for i in range(value.size):  # (a range(lo, hi) loop ran 1.7x slower)
+            v = _flush(value[i], daz)
+            r = _flush(reference[i], daz) if has_ref else np.float32(0.0)
+            bad |= _nonfinite(v) | _nonfinite(r) | _nonfinite(v - r)
+            negative |= v < 0
+            subnormal |= _subnormal(value[i]) | _subnormal(r)
+            x = _coded(v, r, kind)
+            amax = max(amax, abs(x))
+            sumsq += np.float64(x) * np.float64(x)
+        return not bad, not negative, subnormal, amax, sumsq
+
+    return step_statistics
+
+
+@functools.cache
+def step_write_kernel(kind: int, daz: bool, flush: bool,
+                      nonnegative: bool) -> Callable[..., tuple]:
+    """Pass 2 of Step, compiled per kind and flags: ``kernel((value, reference, step, levels,
+    symbols, recon))`` writes symbols (nearest multiple of ``step`` plus 128) and the
+    reconstruction; returns as :func:`lc_write_kernel`."""
+    has_ref = kind == STEP_DELTA
     low = np.float32(-MAX_MULTIPLE)
     high = np.float32(MAX_MULTIPLE)
-    for i in range(value.size):  # (a range(lo, hi) loop ran 1.7x slower)
+
+    @njit(inline="always")
+    def element(args, i, bad, broken, err, norm):
+        value, reference, step, levels, symbols, recon = args
         v = _flush(value[i], daz)
-        r = _flush(reference[i], daz) if kind == STEP_DELTA else np.float32(0.0)
+        r = _flush(reference[i], daz) if has_ref else np.float32(0.0)
         q = min(max(np.rint(_coded(v, r, kind) / step), low), high)
         s = np.uint8(np.int32(q) + CENTER)
         out = levels[s]
-        if kind == STEP_DELTA:
+        if has_ref:
             out = _flush(r + out, flush)
         symbols[i] = s
         recon[i] = out
-        bad, broken, err, norm = _account(out, v, value[i], nonnegative, bad, broken, err, norm)
-    return not bad, not broken, err, norm
+        return _account(out, v, value[i], nonnegative, bad, broken, err, norm)
+
+    @njit(nogil=True, cache=True)
+    def step_write(args):
+        return _unrolled(element, args, args[0].size)
+
+    return step_write
 
 
 # ------------------------------------------------------------------------------ tables
@@ -431,11 +481,11 @@ def _flat(x: Any) -> np.ndarray:
 
 def _lc_statistics(v: np.ndarray, r: np.ndarray, kind: int, daz: bool,
                    coded: np.ndarray) -> tuple:
-    """:func:`lc_statistics` over the ranges, each into its own arrays, then merged."""
+    """:func:`lc_statistics_kernel` over the ranges, each into its own arrays, then merged."""
     parts = [(np.full(SLOTS, -np.inf, np.float32), np.full(SLOTS, np.inf, np.float32),
               np.zeros(SLOTS, np.int64)) for _ in _ranges(v.size)]
-    flags = _run(lc_statistics, v.size,
-                 lambda part, k: (v[part], r[part], kind, daz, *parts[k], coded[part]))
+    flags = _run(lc_statistics_kernel(kind, daz), v.size,
+                 lambda part, k: (v[part], r[part], *parts[k], coded[part]))
     top = np.max([p[0] for p in parts], axis=0)
     bottom = np.min([p[1] for p in parts], axis=0)
     count = np.sum([p[2] for p in parts], axis=0)
@@ -462,7 +512,7 @@ def encode(value: jax.Array, reference: Any, codec: Codec, kind: int) -> dict[st
         assert isinstance(codec, Step)
 
         def statistics(daz: bool) -> tuple:
-            parts = _run(step_statistics, n, lambda part, k: (v[part], r[part], kind, daz))
+            parts = _run(step_statistics_kernel(kind, daz), n, lambda part, k: (v[part], r[part]))
             return (all(p[0] for p in parts), all(p[1] for p in parts),
                     any(p[2] for p in parts), np.float32(max(p[3] for p in parts)),
                     sum(p[4] for p in parts))
@@ -475,9 +525,9 @@ def encode(value: jax.Array, reference: Any, codec: Codec, kind: int) -> dict[st
         if safe:
             step = step_of(amax, sumsq, n, float(codec.rel), flush)
             levels = step_levels(step, flush)
-            finite, kept, err, norm = _combine_writes(_run(
-                step_write, n, lambda part, k: (v[part], r[part], kind, daz, flush, step, levels,
-                                                bool(nonnegative), symbols[part], recon[part])))
+            write = step_write_kernel(kind, daz, flush, bool(nonnegative))
+            finite, kept, err, norm = _combine_writes(_run(write, n, lambda part, k: (
+                (v[part], r[part], step, levels, symbols[part], recon[part]),)))
             side = {"step": np.asarray([step], np.float32)}
     else:
         assert isinstance(codec, LC)
@@ -500,10 +550,10 @@ def encode(value: jax.Array, reference: Any, codec: Codec, kind: int) -> dict[st
             else:
                 side = {"rep": reps}
             born = (2**codec.bits - 1, np.float32(newborn))
-            finite, kept, err, norm = _combine_writes(_run(
-                lc_write, n, lambda part, k: (v[part], r[part], kind, daz, flush, table, reps,
-                                              lift, bool(nonnegative), *born, symbols[part],
-                                              recon[part])))
+            write = lc_write_kernel(kind, daz, flush, bool(nonnegative),
+                                    bool(nonnegative) and lift > 0)
+            finite, kept, err, norm = _combine_writes(_run(write, n, lambda part, k: (
+                (v[part], r[part], table, reps, lift, *born, symbols[part], recon[part]),)))
     if safe:
         safe = bool(finite) and (not nonnegative or bool(kept))
     if not safe:  # stored exactly for this save (never garbage), as the XLA guard decides
