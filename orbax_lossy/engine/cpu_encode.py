@@ -177,7 +177,7 @@ def lc_statistics_kernel(kind: int, daz: bool) -> Callable[..., tuple]:
     has_ref = kind in (LC_DELTA, LC_LOG)
     log = kind == LC_LOG
 
-    @njit(nogil=True, cache=True)
+    @njit(nogil=True, cache=True, error_model="numpy")
     def lc_statistics(value, reference, top, bottom, count, coded):
         bad = False
         negative = False
@@ -244,7 +244,7 @@ def lc_write_kernel(kind: int, daz: bool, flush: bool, nonnegative: bool,
         recon[i] = out
         return _account(out, v, value[i], nonnegative, bad, broken, err, norm)
 
-    @njit(nogil=True, cache=True)
+    @njit(nogil=True, cache=True, error_model="numpy")
     def lc_write(args):
         return _unrolled(element, args, args[0].size)
 
@@ -275,7 +275,7 @@ def step_statistics_kernel(kind: int, daz: bool) -> Callable[..., tuple]:
     :func:`lc_statistics_kernel`)."""
     has_ref = kind == STEP_DELTA
 
-    @njit(nogil=True, cache=True)
+    @njit(nogil=True, cache=True, error_model="numpy")
     def step_statistics(value, reference):
         bad = False
         negative = False
@@ -320,7 +320,7 @@ def step_write_kernel(kind: int, daz: bool, flush: bool,
         recon[i] = out
         return _account(out, v, value[i], nonnegative, bad, broken, err, norm)
 
-    @njit(nogil=True, cache=True)
+    @njit(nogil=True, cache=True, error_model="numpy")
     def step_write(args):
         return _unrolled(element, args, args[0].size)
 
