@@ -176,3 +176,23 @@ def test_beats_zstd_level3_on_trained_like_weights(name: str) -> None:
     ours = len(_roundtrip(arr))
     theirs = len(zstd.ZstdCompressor(level=3).compress(arr.tobytes()))
     assert ours < theirs, (ours, theirs)
+
+
+def _reference_planes(arr: np.ndarray) -> np.ndarray:
+    """The layout of the module doc in plain numpy (the form the kernels replaced): words
+    rotated left by one bit for floats, little-endian bytes, plane j = byte j of each word."""
+    dt = arr.dtype
+    width = dt.itemsize // 2 if dt.kind == "c" else dt.itemsize
+    words = np.ascontiguousarray(arr).reshape(-1).view(np.dtype(f"u{width}"))
+    if dt.kind in "fc" or dt.name.startswith(("float", "bfloat")):
+        words = (words << np.uint8(1)) | (words >> np.uint8(8 * width - 1))
+    return words.astype(np.dtype(f"<u{width}")).view(np.uint8).reshape(-1, width).T
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=lambda d: np.dtype(d).name)
+def test_plane_kernels_keep_the_documented_layout(dtype) -> None:
+    """Stored bytes do not change with the split/join kernels, for every dtype."""
+    arr = _random_bits(dtype, (3, 1001), seed=11)
+    planes = to_planes(arr)
+    np.testing.assert_array_equal(planes, _reference_planes(arr))
+    _assert_identical(from_planes(planes, arr.shape, arr.dtype), arr)
