@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from numba import njit
@@ -87,7 +88,7 @@ def _component_itemsize(dtype: np.dtype) -> int:
     return dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
 
 
-_WORDS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_WORDS: dict[int, Any] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 @functools.cache
