@@ -400,3 +400,43 @@ def test_sampled_statistics_of_a_sharded_leaf_are_those_of_the_global_array(tmp_
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_whole_leaf_trials_on_the_cpu_kernels_match_the_xla_trials(monkeypatch):
+    """Second moments' delta candidates are measured on the whole leaf; on one CPU device
+    the encode kernels run those trials (host_trials.py). Same statistics as the XLA trials,
+    and the same plan."""
+    from orbax_lossy.engine import cpu_encode
+    from orbax_lossy.policy.adaptive import host_trials
+
+    rng = np.random.default_rng(8)
+    n = 1 << 17
+    ref = np.exp(rng.normal(-12, 1.5, n)).astype(np.float32)
+    value = ref * np.exp(rng.normal(0, 0.05, n)).astype(np.float32)
+    value[::9973] = ref[::9973] * 1e-4  # a few far below their reference
+    ref[5] = 0.0  # one newborn element (left out of the elementwise error)
+    v, r = jnp.asarray(value), jnp.asarray(ref)
+    codecs = tuple(c for b in (2, 3, 4) for c in (LC(b), LC(b, domain="log")))
+    assert all(host_trials.eligible(c, v, r) for c in codecs)
+    kw = dict(measured=(Cluster(4, domain="log"), *codecs), measure="elementwise",
+              sample=1 << 12, trial_sample=1 << 11)
+    host = jax.device_get(leaf_statistics(v, r, **kw))
+    monkeypatch.setenv(cpu_encode.ENV, "0")
+    assert not host_trials.eligible(codecs[0], v, r)
+    xla = jax.device_get(leaf_statistics(v, r, **kw))
+    assert len(host["trials"]) == len(xla["trials"]) == len(kw["measured"])
+    for codec, a, b in zip(kw["measured"], host["trials"], xla["trials"], strict=True):
+        assert bool(a["safe"]) == bool(b["safe"]), codec
+        assert set(a) == set(b), codec
+        for key in sorted(set(b) - {"safe", "hist"}):  # the norms and the errors
+            np.testing.assert_allclose(float(a[key]), float(b[key]), rtol=1e-4,
+                                       err_msg=f"{codec} {key}")
+        for name, hist in b["hist"].items():
+            if isinstance(codec, LC) and codec.domain == "log":  # ratios from another log
+                assert np.abs(a["hist"][name] - hist).sum() <= n // 1000, codec
+            else:
+                np.testing.assert_array_equal(a["hist"][name], hist, err_msg=str(codec))
+    policy = AdaptivePolicy.create(stats_sample=1 << 12, trial_sample=1 << 11)
+    on_xla = policy.plan([("nu", "w")], [v], [r], is_base=False, roles=["second_moment"])
+    monkeypatch.delenv(cpu_encode.ENV)
+    assert policy.plan([("nu", "w")], [v], [r], is_base=False, roles=["second_moment"]) == on_xla

@@ -299,11 +299,25 @@ def leaf_statistics(
     samples = leaf_sample(value, reference, sample=sample, trial_sample=trial_sample,
                           extremes=bool(measured))
     whole = None
+    on_host: dict[int, dict[str, Any]] = {}
     if (reference is not None and measure == "elementwise"
             and any(c.needs_reference for c in measured)
             and sample_stride(math.prod(value.shape), trial_sample) > 1):
-        whole = (value, reference)
-    return sample_statistics(samples, whole, measured=measured, measure=measure)
+        # the whole-leaf trials run on the CPU encode kernels where they can, one at a time
+        from orbax_lossy.policy.adaptive import host_trials  # (it imports this module)
+
+        chosen = [i for i, c in enumerate(measured) if host_trials.eligible(c, value, reference)]
+        on_host = dict(zip(chosen, host_trials.whole_leaf_trials(
+            [measured[i] for i in chosen], value, reference), strict=True))
+        if any(c.needs_reference for i, c in enumerate(measured) if i not in on_host):
+            whole = (value, reference)
+    stats = sample_statistics(samples, whole, measured=tuple(
+        c for i, c in enumerate(measured) if i not in on_host), measure=measure)
+    if on_host:  # the trials in the order of ``measured``
+        on_device = iter(stats["trials"])
+        stats = {**stats, "trials": [on_host[i] if i in on_host else next(on_device)
+                                     for i in range(len(measured))]}
+    return stats
 
 
 @functools.cache
@@ -361,7 +375,9 @@ def completed(
 def to_host(tree: Any) -> Any:
     """Fetch replicated statistics (identical on every process) to numpy."""
 
-    def fetch(x: jax.Array) -> np.ndarray:
+    def fetch(x: jax.Array | np.ndarray | np.generic) -> np.ndarray:
+        if not isinstance(x, jax.Array):  # computed on the host (whole-leaf trials)
+            return np.asarray(x)
         if x.is_fully_addressable:
             return np.asarray(x)
         return np.asarray(x.addressable_data(0))
