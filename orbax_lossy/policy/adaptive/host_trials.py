@@ -30,11 +30,11 @@ from orbax_lossy.threads import available_cores
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def trial_norms(value, reference, recon):
+def trial_norms(value, reference, recon, symbols, counts):
     """``(||value||^2, ||recon - value||^2, ||value - reference||^2, sum of squared relative
-    errors, elements counted)`` in one pass; the relative error counts elements that are
-    nonzero in the value and in the reference (as ``elementwise_rel_rms`` with
-    ``where=reference != 0``)."""
+    errors, elements counted)`` in one pass, and every symbol counted into ``counts`` (256
+    zeros); the relative error counts elements that are nonzero in the value and in the
+    reference (as ``elementwise_rel_rms`` with ``where=reference != 0``)."""
     value_sq = 0.0
     err_sq = 0.0
     delta_sq = 0.0
@@ -51,6 +51,7 @@ def trial_norms(value, reference, recon):
         q = e / (v if counted else 1.0)
         rel_sq += q * q if counted else 0.0
         count += 1 if counted else 0
+        counts[symbols[i]] += 1
     return value_sq, err_sq, delta_sq, rel_sq, count
 
 
@@ -70,9 +71,11 @@ def whole_leaf_trial(codec: Codec, value: jax.Array, reference: jax.Array) -> di
     v = np.asarray(value).reshape(-1)
     r = np.asarray(reference).reshape(-1)
     recon = np.asarray(out["recon"]).reshape(-1)
-    value_sq, err_sq, delta_sq, rel_sq, count = trial_norms(v, r, recon)
-    hist = {name: np.bincount(out["fields"][name].reshape(-1), minlength=alphabet)
-            .astype(np.int32)[:alphabet] for name, alphabet in symbol_alphabets(codec).items()}
+    (name, alphabet), = symbol_alphabets(codec).items()  # LC and Step: one symbol field
+    counts = np.zeros(256, np.int64)
+    value_sq, err_sq, delta_sq, rel_sq, count = trial_norms(
+        v, r, recon, out["fields"][name].reshape(-1), counts)
+    hist = {name: counts[:alphabet].astype(np.int32)}
     return {
         "value_sq": np.float64(value_sq),
         "err_sq": np.float64(err_sq),
