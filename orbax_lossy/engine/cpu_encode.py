@@ -50,7 +50,7 @@ from orbax_lossy.codecs.base import Codec
 from orbax_lossy.codecs.lc import LC, kept_buckets
 from orbax_lossy.codecs.step import CENTER, MAX_MULTIPLE, Step
 from orbax_lossy.entropy.stream import aligned_empty
-from orbax_lossy.threads import available_cores
+from orbax_lossy.threads import available_cores, core_pool
 
 #: environment variable: ``0`` runs every encode as an XLA program
 ENV = "ORBAX_LOSSY_HOST_ENCODE"
@@ -458,8 +458,6 @@ def host_kernel(value: Any, reference: Any, codec: Codec) -> int | None:
 
 #: a leaf of at least this many elements runs each pass on every core, in ranges
 SPLIT_ELEMENTS = 1 << 21
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
 
 
 def _ranges(n: int) -> list[tuple[int, int]]:
@@ -471,12 +469,7 @@ def _ranges(n: int) -> list[tuple[int, int]]:
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
     """Workers for the ranges of large leaves. The kernels hold no lock and wait for
     nothing, so the save's leaf workers can share them without deadlock."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(
-                available_cores(), thread_name_prefix="orbax_lossy_kernel")
-        return _POOL
+    return core_pool("kernel")
 
 
 def _run(kernel: Any, n: int, args_of: Callable[[slice, int], tuple]) -> list[Any]:

@@ -13,7 +13,6 @@ globally, which makes the codec choices identical on every process.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 
 from orbax_lossy.codecs.base import Codec
 from orbax_lossy.codecs.same import bits_equal
-from orbax_lossy.threads import available_cores
+from orbax_lossy.threads import core_pool
 
 
 def _constrain(x: jax.Array, sharding: jax.sharding.Sharding | None) -> jax.Array:
@@ -209,10 +208,6 @@ def run_grouped(fn, per_leaf: bool, *lists: list[Any], **statics: tuple[Any, ...
     return out
 
 
-_LEAF_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_LEAF_POOL_LOCK = threading.Lock()
-
-
 def leaf_pool() -> concurrent.futures.ThreadPoolExecutor:
     """The process-wide workers that run the per-leaf encode programs of single-process saves
     (one per core). XLA:CPU runs a small program inside the call that dispatches
@@ -220,12 +215,7 @@ def leaf_pool() -> concurrent.futures.ThreadPoolExecutor:
     core (and a commit's entropy coding would start only after the last); on these workers
     the programs use every core, and a save codes each leaf as soon as its program is done.
     Only for programs on one device each (no collectives)."""
-    global _LEAF_POOL
-    with _LEAF_POOL_LOCK:
-        if _LEAF_POOL is None:
-            _LEAF_POOL = concurrent.futures.ThreadPoolExecutor(
-                available_cores(), thread_name_prefix="orbax_lossy_encode")
-        return _LEAF_POOL
+    return core_pool("encode")
 
 
 class Pending(Sequence):

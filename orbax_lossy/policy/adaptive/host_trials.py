@@ -13,9 +13,7 @@ for the norms, one trial per core at a time: the same statistics as
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +24,7 @@ from numba import njit
 from orbax_lossy.codecs.base import Codec
 from orbax_lossy.engine import cpu_encode
 from orbax_lossy.policy.adaptive.statistics import symbol_alphabets
-from orbax_lossy.threads import available_cores
+from orbax_lossy.threads import core_pool
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -86,25 +84,12 @@ def whole_leaf_trial(codec: Codec, value: jax.Array, reference: jax.Array) -> di
     }
 
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    """Workers for the trials (their own: a trial's kernels may wait on the kernel pool's
-    ranges, which wait for nothing)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(
-                available_cores(), thread_name_prefix="orbax_lossy_trial")
-        return _POOL
-
-
 def whole_leaf_trials(codecs: Sequence[Codec], value: jax.Array,
                       reference: jax.Array) -> list[dict[str, Any]]:
     """:func:`whole_leaf_trial` of every codec, in order, one per core at a time."""
     if len(codecs) == 1:
         return [whole_leaf_trial(codecs[0], value, reference)]
-    futures = [_pool().submit(whole_leaf_trial, c, value, reference) for c in codecs]
+    # their own workers: a trial's kernels may wait on the kernel pool's ranges
+    futures = [core_pool("trial").submit(whole_leaf_trial, c, value, reference)
+               for c in codecs]
     return [f.result() for f in futures]
