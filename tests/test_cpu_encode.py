@@ -203,3 +203,29 @@ def test_saved_chain_is_identical_with_and_without_kernels(tmp_path, monkeypatch
         if name == "lc":
             assert payloads["1"] == payloads["0"]
 
+
+
+@pytest.mark.parametrize("domain", ["linear", "log"])
+@pytest.mark.parametrize("subnormal", [False, True], ids=["normal", "subnormal"])
+def test_widths_sharing_one_statistics_pass_encode_as_each_alone(domain: str, subnormal: bool):
+    """``encode_lc_widths`` (an adaptive policy's whole-leaf trials) gives, per width, what
+    ``encode`` gives for that codec alone, bit for bit."""
+    rng = np.random.default_rng(12)
+    ref = np.exp(rng.normal(-8, 2, 5000)).astype(np.float32)
+    value = ref * np.exp(rng.normal(0, 0.1, ref.size)).astype(np.float32)
+    if subnormal:
+        value[7], ref[11] = np.float32(1e-39), np.float32(2e-39)
+    v, r = jnp.asarray(value), jnp.asarray(ref)
+    codecs = [ol.LC(b, domain=domain) for b in (2, 3, 4)]
+    kind = cpu_encode.host_kernel(v, r, codecs[0])
+    shared = list(cpu_encode.encode_lc_widths(v, r, codecs, kind))
+    assert len(shared) == len(codecs)
+    for codec, got in zip(codecs, shared, strict=True):
+        alone = cpu_encode.encode(v, r, codec, kind)
+        assert bool(got["safe"]) == bool(alone["safe"])
+        assert float(got["rel_error"]) == float(alone["rel_error"])
+        np.testing.assert_array_equal(got["fields"]["sym"], alone["fields"]["sym"])
+        np.testing.assert_array_equal(_bits(got["recon"]), _bits(alone["recon"]))
+        assert got["side"].keys() == alone["side"].keys()
+        for name in alone["side"]:
+            np.testing.assert_array_equal(_bits(got["side"][name]), _bits(alone["side"][name]))

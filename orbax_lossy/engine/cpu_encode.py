@@ -36,7 +36,7 @@ import itertools
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -507,6 +507,59 @@ def _combine_writes(results: list[tuple]) -> tuple[bool, bool, float, float]:
             sum(x[2] for x in results), sum(x[3] for x in results))
 
 
+def _lc_measure(v: np.ndarray, r: np.ndarray, kind: int, flush: bool,
+                coded: np.ndarray) -> tuple:
+    """LC's pass 1 as XLA sees the operands: ``(daz, finite, nonnegative, newborn, top,
+    bottom, count)`` (measured again with operands flushed where some are subnormal)."""
+    finite, nonnegative, subnormal, newborn, top, bottom, count = _lc_statistics(
+        v, r, kind, False, coded)
+    daz = flush and subnormal
+    if daz:  # XLA reads subnormal operands as zeros: measure what it would
+        finite, nonnegative, _, newborn, top, bottom, count = _lc_statistics(
+            v, r, kind, True, coded)
+    return daz, finite, nonnegative, newborn, top, bottom, count
+
+
+def _lc_write(v: np.ndarray, r: np.ndarray, kind: int, bits: int, flush: bool,
+              measured: tuple, symbols: np.ndarray, recon: np.ndarray) -> tuple:
+    """LC's tables for ``bits`` and pass 2: ``(side, finite, kept, err, norm)``."""
+    daz, _, nonnegative, newborn, top, bottom, count = measured
+    reserve = 1 if kind == LC_LOG else 0
+    table, reps, lift = lc_tables(top, bottom, count, bits, reserve)
+    if kind == LC_LOG:
+        with np.errstate(over="ignore", under="ignore"):
+            factor = np.exp(reps).astype(np.float32)
+        factor[0] = factor[-1] = 1
+        reps = _flush_array(factor, flush)
+        side = {"factor": reps, "born": np.asarray([newborn], np.float32)}
+    else:
+        side = {"rep": reps}
+    born = (2**bits - 1, np.float32(newborn))
+    write = lc_write_kernel(kind, daz, flush, bool(nonnegative), bool(nonnegative) and lift > 0)
+    return (side, *_combine_writes(_run(write, v.size, lambda part, k: (
+        (v[part], r[part], table, reps, lift, *born, symbols[part], recon[part]),))))
+
+
+def _result(value: jax.Array, v: np.ndarray, symbols: np.ndarray, recon: np.ndarray,
+            side: dict[str, np.ndarray], safe: bool, err: float, norm: float) -> dict[str, Any]:
+    """``device.encode_tree``'s result for one leaf (``recon`` back on the leaf's device)."""
+    if not safe:  # stored exactly for this save (never garbage), as the XLA guard decides
+        recon[:] = v
+        rel_error = 0.0
+        side = {}
+    else:
+        rel_error = math.sqrt(err) / max(math.sqrt(norm), 1e-30) if norm > 0 else math.sqrt(err)
+    device = next(iter(value.sharding.device_set))
+    return {
+        "fields": {"sym": symbols.reshape(value.shape)},
+        "side": side,
+        "recon": jax.device_put(recon.reshape(value.shape), device),
+        "safe": np.bool_(safe),
+        "rel_error": np.float32(rel_error),
+        "same": np.bool_(False),
+    }
+
+
 def encode(value: jax.Array, reference: Any, codec: Codec, kind: int) -> dict[str, Any]:
     """Encode one leaf with a host kernel: the result of ``device.encode_tree`` for it
     (``fields``, ``side``, ``recon``, ``safe``, ``rel_error``, ``same``), with numpy fields."""
@@ -517,6 +570,7 @@ def encode(value: jax.Array, reference: Any, codec: Codec, kind: int) -> dict[st
     symbols = aligned_empty(n, np.uint8)
     recon = aligned_empty(n, np.float32)
     side: dict[str, np.ndarray] = {}
+    err = norm = 0.0
     if kind in (STEP_DELTA, STEP_DIRECT):
         assert isinstance(codec, Step)
 
@@ -538,46 +592,41 @@ def encode(value: jax.Array, reference: Any, codec: Codec, kind: int) -> dict[st
             finite, kept, err, norm = _combine_writes(_run(write, n, lambda part, k: (
                 (v[part], r[part], step, levels, symbols[part], recon[part]),)))
             side = {"step": np.asarray([step], np.float32)}
+            safe = bool(finite) and (not nonnegative or bool(kept))
     else:
         assert isinstance(codec, LC)
-        finite, nonnegative, subnormal, newborn, top, bottom, count = _lc_statistics(
-            v, r, kind, False, recon)
-        daz = flush and subnormal
-        if daz:
-            finite, nonnegative, _, newborn, top, bottom, count = _lc_statistics(
-                v, r, kind, True, recon)
-        safe = bool(finite)
+        measured = _lc_measure(v, r, kind, flush, recon)
+        safe = bool(measured[1])
         if safe:
-            reserve = 1 if kind == LC_LOG else 0
-            table, reps, lift = lc_tables(top, bottom, count, codec.bits, reserve)
-            if kind == LC_LOG:
-                with np.errstate(over="ignore", under="ignore"):
-                    factor = np.exp(reps).astype(np.float32)
-                factor[0] = factor[-1] = 1
-                reps = _flush_array(factor, flush)
-                side = {"factor": reps, "born": np.asarray([newborn], np.float32)}
-            else:
-                side = {"rep": reps}
-            born = (2**codec.bits - 1, np.float32(newborn))
-            write = lc_write_kernel(kind, daz, flush, bool(nonnegative),
-                                    bool(nonnegative) and lift > 0)
-            finite, kept, err, norm = _combine_writes(_run(write, n, lambda part, k: (
-                (v[part], r[part], table, reps, lift, *born, symbols[part], recon[part]),)))
-    if safe:
-        safe = bool(finite) and (not nonnegative or bool(kept))
-    if not safe:  # stored exactly for this save (never garbage), as the XLA guard decides
-        recon[:] = v
-        rel_error = 0.0
-        side = {}
-    else:
-        rel_error = math.sqrt(err) / max(math.sqrt(norm), 1e-30) if norm > 0 else math.sqrt(err)
-    device = next(iter(value.sharding.device_set))
-    return {
-        "fields": {"sym": symbols.reshape(value.shape)},
-        "side": side,
-        "recon": jax.device_put(recon.reshape(value.shape), device),
-        "safe": np.bool_(safe),
-        "rel_error": np.float32(rel_error),
-        "same": np.bool_(False),
-    }
+            side, finite, kept, err, norm = _lc_write(v, r, kind, codec.bits, flush, measured,
+                                                      symbols, recon)
+            safe = bool(finite) and (not measured[2] or bool(kept))
+    return _result(value, v, symbols, recon, side, safe, err, norm)
 
+
+def encode_lc_widths(value: jax.Array, reference: jax.Array, codecs: Sequence[LC],
+                     kind: int) -> Iterator[dict[str, Any]]:
+    """:func:`encode` of one leaf with each of ``codecs`` (LC codecs of one kind that differ
+    only in ``bits``), one after another, sharing one statistics pass (the per-bucket
+    statistics do not depend on the alphabet): an adaptive policy's trials. Each result's
+    buffers are new."""
+    flush = xla_flushes_subnormals()
+    v = _flat(value)
+    r = _flat(reference) if kind != LC_DIRECT else v
+    n = v.size
+    coded = aligned_empty(n, np.float32)  # the log domain's ratios, kept for every width
+    measured = _lc_measure(v, r, kind, flush, coded)
+    for codec in codecs:
+        assert isinstance(codec, LC) and _kind(codec) == kind
+        symbols = aligned_empty(n, np.uint8)
+        recon = aligned_empty(n, np.float32)
+        side: dict[str, np.ndarray] = {}
+        err = norm = 0.0
+        safe = bool(measured[1])
+        if safe:
+            if kind == LC_LOG:
+                recon[:] = coded
+            side, finite, kept, err, norm = _lc_write(v, r, kind, codec.bits, flush, measured,
+                                                      symbols, recon)
+            safe = bool(finite) and (not measured[2] or bool(kept))
+        yield _result(value, v, symbols, recon, side, safe, err, norm)

@@ -14,7 +14,7 @@ for the norms, one trial per core at a time: the same statistics as
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -22,6 +22,7 @@ import numpy as np
 from numba import njit
 
 from orbax_lossy.codecs.base import Codec
+from orbax_lossy.codecs.lc import LC
 from orbax_lossy.engine import cpu_encode
 from orbax_lossy.policy.adaptive.statistics import symbol_alphabets
 from orbax_lossy.threads import core_pool
@@ -59,37 +60,55 @@ def eligible(codec: Codec, value: Any, reference: Any) -> bool:
             and cpu_encode.host_kernel(value, reference, codec) is not None)
 
 
-def whole_leaf_trial(codec: Codec, value: jax.Array, reference: jax.Array) -> dict[str, Any]:
-    """The elementwise-measure trial of ``codec`` on the whole leaf (numpy results, keys as
-    ``measured_trial``). A leaf the save's guard would store exactly (not finite, or a sign
-    the codec breaks) is an unsafe trial."""
-    kind = cpu_encode.host_kernel(value, reference, codec)
-    assert kind is not None
-    out = cpu_encode.encode(value, reference, codec, kind)
+def trial_of(codec: Codec, encoded: dict[str, Any], value: jax.Array,
+             reference: jax.Array) -> dict[str, Any]:
+    """The elementwise-measure trial (numpy results, keys as ``measured_trial``) from
+    ``codec``'s encode of the whole leaf. A leaf the save's guard would store exactly (not
+    finite, or a sign the codec breaks) is an unsafe trial."""
     v = np.asarray(value).reshape(-1)
     r = np.asarray(reference).reshape(-1)
-    recon = np.asarray(out["recon"]).reshape(-1)
+    recon = np.asarray(encoded["recon"]).reshape(-1)
     (name, alphabet), = symbol_alphabets(codec).items()  # LC and Step: one symbol field
     counts = np.zeros(256, np.int64)
     value_sq, err_sq, delta_sq, rel_sq, count = trial_norms(
-        v, r, recon, out["fields"][name].reshape(-1), counts)
-    hist = {name: counts[:alphabet].astype(np.int32)}
+        v, r, recon, encoded["fields"][name].reshape(-1), counts)
     return {
         "value_sq": np.float64(value_sq),
         "err_sq": np.float64(err_sq),
         "delta_sq": np.float64(delta_sq),
-        "safe": np.bool_(bool(out["safe"])),
-        "hist": hist,
+        "safe": np.bool_(bool(encoded["safe"])),
+        "hist": {name: counts[:alphabet].astype(np.int32)},
         "elem_rel": np.float64(math.sqrt(rel_sq / max(count, 1))),
     }
 
 
+def _group_trials(codecs: Sequence[Codec], value: jax.Array,
+                  reference: jax.Array) -> list[dict[str, Any]]:
+    """The trials of codecs of one kernel kind, in order: LC widths share one statistics
+    pass (:func:`cpu_encode.encode_lc_widths`)."""
+    kind = cpu_encode.host_kernel(value, reference, codecs[0])
+    assert kind is not None
+    if all(isinstance(c, LC) for c in codecs):
+        encoded: Iterator[dict[str, Any]] = cpu_encode.encode_lc_widths(
+            value, reference, [c for c in codecs if isinstance(c, LC)], kind)
+    else:
+        encoded = (cpu_encode.encode(value, reference, c, kind) for c in codecs)
+    return [trial_of(c, out, value, reference) for c, out in zip(codecs, encoded, strict=True)]
+
+
 def whole_leaf_trials(codecs: Sequence[Codec], value: jax.Array,
                       reference: jax.Array) -> list[dict[str, Any]]:
-    """:func:`whole_leaf_trial` of every codec, in order, one per core at a time."""
-    if len(codecs) == 1:
-        return [whole_leaf_trial(codecs[0], value, reference)]
+    """The trial of every codec (each :func:`eligible`), in order: codecs of one kernel kind
+    together (one statistics pass for LC's widths), the kinds one per core at a time."""
+    groups: dict[Any, list[int]] = {}
+    for i, c in enumerate(codecs):
+        kind = cpu_encode.host_kernel(value, reference, c)
+        groups.setdefault(kind if isinstance(c, LC) else (kind, i), []).append(i)
     # their own workers: a trial's kernels may wait on the kernel pool's ranges
-    futures = [core_pool("trial").submit(whole_leaf_trial, c, value, reference)
-               for c in codecs]
-    return [f.result() for f in futures]
+    futures = {tuple(members): core_pool("trial").submit(
+        _group_trials, [codecs[i] for i in members], value, reference)
+        for members in groups.values()}
+    out: dict[int, dict[str, Any]] = {}
+    for members, future in futures.items():
+        out.update(zip(members, future.result(), strict=True))
+    return [out[i] for i in range(len(codecs))]
