@@ -80,10 +80,6 @@ def _is_float(dtype: np.dtype) -> bool:
     return dtype.kind in "fc" or dtype.name.startswith(("float", "bfloat"))
 
 
-def _word_dtype(itemsize: int) -> np.dtype:
-    return np.dtype(f"<u{itemsize}")
-
-
 def _component_itemsize(dtype: np.dtype) -> int:
     return dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
 

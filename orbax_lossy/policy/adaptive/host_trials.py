@@ -6,8 +6,9 @@ few elements far below their reference dominate it), so their delta candidates a
 on the whole leaf. As one XLA program per leaf those trials were most of an adaptive save's
 cost on CPU: six full LC encodes per second-moment leaf, all live at once (64 MB state: 1.2 s
 of a 1.4 s plan, and 1.3 states of extra memory). Where :func:`cpu_encode.host_kernel`
-accepts the leaf, each trial here is the save's own encode kernel followed by one numba pass
-for the norms, one trial per core at a time: the same statistics as
+accepts the leaf, each trial here is the save's own encode kernel (LC's widths of one domain
+sharing its statistics pass) followed by one numba pass for the norms and the symbol counts,
+one kernel kind per core at a time: the same statistics as
 :func:`~orbax_lossy.policy.adaptive.statistics.measured_trial`, in float64.
 """
 

@@ -303,7 +303,7 @@ def leaf_statistics(
     if (reference is not None and measure == "elementwise"
             and any(c.needs_reference for c in measured)
             and sample_stride(math.prod(value.shape), trial_sample) > 1):
-        # the whole-leaf trials run on the CPU encode kernels where they can, one at a time
+        # the whole-leaf trials run on the CPU encode kernels where they can (host_trials.py)
         from orbax_lossy.policy.adaptive import host_trials  # (it imports this module)
 
         chosen = [i for i, c in enumerate(measured) if host_trials.eligible(c, value, reference)]
