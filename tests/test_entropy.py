@@ -445,3 +445,21 @@ def test_decoded_symbols_are_aligned_for_a_zero_copy_upload(kind):
     region = stream.aligned_empty((7, 13), np.float32)
     assert region.shape == (7, 13) and region.dtype == np.float32
     assert region.flags.c_contiguous and region.ctypes.data % stream.OUTPUT_ALIGNMENT == 0
+
+
+@pytest.mark.parametrize("mode", ["raw", "const", "tuple", "zrun"])
+def test_symbols_outside_the_alphabet_are_refused_in_every_mode(mode):
+    rng = np.random.default_rng(7)
+    top = 5  # the largest symbol of each stream
+    symbols = {
+        "raw": rng.permutation(np.arange(20000) % 256).astype(np.uint8),
+        "const": np.full(5000, top, np.uint8),
+        "tuple": rng.integers(0, top + 1, 20000).astype(np.uint8),
+        "zrun": np.where(rng.random(20000) < 0.9, 0, rng.integers(1, top + 1, 20000)),
+    }[mode].astype(np.uint8)
+    top = int(symbols.max())
+    data = encode_symbols(symbols)
+    assert data[0] == {"raw": 0, "const": 1, "tuple": 2, "zrun": 3}[mode]
+    np.testing.assert_array_equal(decode_symbols(data, symbols.size, top + 1), symbols)
+    with pytest.raises(FormatError, match=f"symbol {top} outside the alphabet of {top}"):
+        decode_symbols(data, symbols.size, top)

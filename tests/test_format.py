@@ -252,3 +252,14 @@ def test_restore_reads_exact_leaves_from_the_newest_link_only(tmp_path) -> None:
     expected = sum(leaf_bytes(s, "w") for s in range(4)) + leaf_bytes(3, "counts")
     assert handler.last_restore_bytes_read == expected
     np.testing.assert_array_equal(np.asarray(restored["counts"]), np.asarray(state["counts"]))
+
+
+def test_crc32_is_zlibs_checksum():
+    """The stored checksums stay zlib's CRC-32 whichever library computes them."""
+    import zlib
+
+    rng = np.random.default_rng(3)
+    for size in (0, 1, 7, 4096, (1 << 20) + 3):
+        data = rng.integers(0, 256, size, dtype=np.uint8)
+        assert fmt.crc32(data) == zlib.crc32(data.tobytes()) & 0xFFFFFFFF
+        assert fmt.crc32(memoryview(data.tobytes())) == fmt.crc32(data)

@@ -401,7 +401,4 @@ def decode_symbol_field(data: bytes, shape: tuple[int, ...], alphabet: int) -> n
     indices silently, so it is rejected here as corrupted data.
     """
     n = int(np.prod(shape, dtype=np.int64))
-    out = decode_symbols(data, n).reshape(shape)
-    if out.size and int(out.max()) >= alphabet:
-        raise FormatError(f"symbol {int(out.max())} outside the alphabet of {alphabet} symbols")
-    return out
+    return decode_symbols(data, n, alphabet).reshape(shape)

@@ -427,8 +427,14 @@ def _implied_mean_length(lens: np.ndarray) -> float:
     return float(np.sum(used * np.exp2(-used)) / max(np.sum(np.exp2(-used)), 1e-300))
 
 
-def _decode_tuple(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
+def _outside(symbol: int, alphabet: int) -> FormatError:
+    return FormatError(f"symbol {symbol} outside the alphabet of {alphabet} symbols")
+
+
+def _decode_tuple(buf: np.ndarray, pos: int, n: int, alphabet: int) -> np.ndarray:
     used, pos = _read_symset(buf, pos)
+    if int(used[-1]) >= alphabet:  # every decoded symbol is one of the set (padding too)
+        raise _outside(int(used[-1]), alphabet)
     m = used.size
     k, pos = _read_u8(buf, pos, "tuple length")
     if k < 1 or (k > 1 and m**k > MAX_TUPLE_ALPHABET):
@@ -472,12 +478,15 @@ def _decode_tuple(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
     return out[:n]
 
 
-def _decode_zrun(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
+def _decode_zrun(buf: np.ndarray, pos: int, n: int, alphabet: int) -> np.ndarray:
     zsym, pos = _read_u8(buf, pos, "run symbol")
     rlens, pos = huffman.deserialize_lengths(buf, pos, K.RUN_ALPHABET)
     llens, pos = huffman.deserialize_lengths(buf, pos, 256)
     if llens[zsym]:
         raise FormatError("ZRUN literal table gives the run symbol a code")
+    top = max(zsym, int(np.flatnonzero(llens)[-1]) if llens.any() else 0)
+    if top >= alphabet:  # every decoded symbol is the run symbol or has a literal code
+        raise _outside(top, alphabet)
     rlut, rbits = huffman.decode_table(rlens)
     llut, lbits = huffman.decode_table(llens)
     block, offsets = _read_blocks(buf, pos, n)
@@ -504,11 +513,13 @@ def _decode_zrun(buf: np.ndarray, pos: int, n: int) -> np.ndarray:
     return out
 
 
-def decode_symbols(data: bytes | memoryview, n: int) -> np.ndarray:
+def decode_symbols(data: bytes | memoryview, n: int, alphabet: int = 256) -> np.ndarray:
     """Decode a stream of :func:`encode_symbols` into a uint8 array of length ``n``.
 
     Raises FormatError / TruncatedError for streams that are malformed, do not hold ``n``
-    symbols, or have trailing bytes. Memory use is bounded by ``n`` and ``len(data)``.
+    symbols, have trailing bytes, or can decode a symbol ``>= alphabet`` (checked on the
+    stream's symbol set or code tables before decoding: no pass over the output, except in
+    the RAW mode). Memory use is bounded by ``n`` and ``len(data)``.
     """
     if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
         raise CodecError(f"symbol count must be a non-negative int, got {n!r}")
@@ -527,18 +538,22 @@ def decode_symbols(data: bytes | memoryview, n: int) -> np.ndarray:
             raise err(f"RAW symbol stream has {buf.size - pos} bytes for {n} symbols")
         out = _output(n)
         out[:] = buf[pos:]
+        if alphabet < 256 and n and int(out.max()) >= alphabet:
+            raise _outside(int(out.max()), alphabet)
         return out
     if n == 0:
         raise FormatError(f"mode {mode} is invalid for an empty symbol stream")
     if mode == MODE_CONST:
         sym, pos = _read_u8(buf, pos, "the constant symbol")
+        if sym >= alphabet:
+            raise _outside(sym, alphabet)
         if pos != buf.size:
             raise FormatError(f"{buf.size - pos} trailing bytes after a CONST symbol stream")
         out = _output(n)
         out.fill(sym)
         return out
     if mode == MODE_TUPLE:
-        return _decode_tuple(buf, pos, n)
+        return _decode_tuple(buf, pos, n, alphabet)
     if mode == MODE_ZRUN:
-        return _decode_zrun(buf, pos, n)
+        return _decode_zrun(buf, pos, n, alphabet)
     raise FormatError(f"unknown symbol stream mode {mode}")
