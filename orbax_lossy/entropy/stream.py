@@ -538,8 +538,9 @@ def decode_symbols(data: bytes | memoryview, n: int, alphabet: int = 256) -> np.
             raise err(f"RAW symbol stream has {buf.size - pos} bytes for {n} symbols")
         out = _output(n)
         out[:] = buf[pos:]
-        if alphabet < 256 and n and int(out.max()) >= alphabet:
-            raise _outside(int(out.max()), alphabet)
+        top = int(out.max()) if alphabet < 256 and n else 0
+        if top >= alphabet:
+            raise _outside(top, alphabet)
         return out
     if n == 0:
         raise FormatError(f"mode {mode} is invalid for an empty symbol stream")
