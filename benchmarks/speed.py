@@ -17,6 +17,9 @@ Printed per size and config (medians; ratio = lossy / plain Orbax in the same ru
 * ``commit``: ``save()`` call to committed (``wait_until_finished``), delta saves;
 * ``restore``: restore of the newest step of the 9-delta chain in a fresh manager (after a
   warm-up restore of a shorter chain, so the decode programs are compiled);
+* ``fresh restore``: the same restore as the first of a fresh process (a subprocess, as a
+  job restarted after a failure restores: decode programs compiled and numba kernels loaded
+  inside it; the Python imports and the target's construction are not timed);
 * ``RSS save`` / ``RSS restore``: peak extra resident memory (sampled every ms) over the
   process's RSS before the call, during a delta save+commit and during the restore.
 
@@ -247,17 +250,37 @@ def fresh_child(config: str, size_mb: int, directory: str) -> None:
     print("RESULT " + json.dumps(out))
 
 
-def fresh_process(config: str, size_mb: int, root: str) -> dict[str, float]:
-    directory = os.path.join(root, f"fresh-{config}-{size_mb}")
+def restore_child(config: str, size_mb: int, directory: str) -> None:
+    """In a subprocess: restore the newest step of ``directory`` (a fresh process's first
+    restore, as after a failure: decode programs compiled, numba kernels loaded on the way)."""
+    target = make_state(size_mb * MB)
+    cfg = Config(config, directory, base_interval=10)
+    step = cfg.mngr.latest_step()
+    t0 = time.perf_counter()
+    jax.block_until_ready(cfg.mngr.restore(step, args=cfg.restore_args(target)))
+    out = {"restore": time.perf_counter() - t0}
+    cfg.mngr.close()
+    print("RESULT " + json.dumps(out))
+
+
+def child(mode: str, config: str, size_mb: int, directory: str) -> dict[str, float]:
+    """Run ``--<mode>-child`` in a new Python process and return what it measured."""
     proc = subprocess.run(
-        [sys.executable, __file__, "--fresh-child", config, str(size_mb), directory],
+        [sys.executable, __file__, f"--{mode}-child", config, str(size_mb), directory],
         capture_output=True, text=True, check=False, timeout=1800,
     )
-    shutil.rmtree(directory, ignore_errors=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"fresh child failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    raise RuntimeError(f"{mode} child failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def fresh_process(config: str, size_mb: int, root: str) -> dict[str, float]:
+    directory = os.path.join(root, f"fresh-{config}-{size_mb}")
+    try:
+        return child("fresh", config, size_mb, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- one size
@@ -307,6 +330,15 @@ def run_size(size_mb: int, configs: list[str], root: str, restores: int,
             add(cfg.name, "restore", r["restore"])
             add(cfg.name, "rss restore", r["rss_restore"])
             del restored
+    if fresh:  # the first restore of a fresh process (after a failure), configs interleaved
+        for cfg in cfgs:
+            cfg.mngr.close()
+        for rep in range(restores):
+            for cfg in (cfgs if rep % 2 == 0 else cfgs[::-1]):
+                add(cfg.name, "fresh restore",
+                    child("restore", cfg.name, size_mb, cfg.directory)["restore"])
+        for cfg in cfgs:
+            cfg.mngr = cfg.manager()
     # the first save after a restore (a delta against the restored step)
     for cfg in cfgs:
         timed_restore(cfg, 9, target)
@@ -323,7 +355,8 @@ def run_size(size_mb: int, configs: list[str], root: str, restores: int,
 
 
 COLUMNS = ("block base", "block delta", "async_save", "fresh base", "fresh delta",
-           "after restore", "commit delta", "restore", "rss save", "rss restore")
+           "after restore", "commit delta", "restore", "fresh restore", "rss save",
+           "rss restore")
 
 
 def report(size_mb: int, table: dict[str, dict[str, float]]) -> None:
@@ -358,8 +391,9 @@ def report(size_mb: int, table: dict[str, dict[str, float]]) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--fresh-child":
-        fresh_child(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    if len(sys.argv) > 1 and sys.argv[1] in ("--fresh-child", "--restore-child"):
+        run = fresh_child if sys.argv[1] == "--fresh-child" else restore_child
+        run(sys.argv[2], int(sys.argv[3]), sys.argv[4])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="64,256", help="state sizes in MB (1024 = 1 GB)")
