@@ -27,6 +27,7 @@ from orbax_lossy.codecs.base import (
     codec_from_config,
     encode_symbol_field,
     registered_codecs,
+    work_dtype,
 )
 from orbax_lossy.errors import CodecError, FormatError, LossyError
 
@@ -75,6 +76,10 @@ def check_codec(codec: Any, value: jax.Array, reference: jax.Array) -> None:
         data = codec.host_encode(name, array)
         stored[name] = codec.host_decode(name, data, array.shape, declared[name])
         np.testing.assert_array_equal(stored[name], array, err_msg=name)
+    shapes = codec.side_shapes()  # what a restore checks the stored side arrays against
+    if shapes is not None and work_dtype(dtype) == jnp.float32:
+        assert {k: (v.shape, v.dtype) for k, v in enc.side.items()} == {
+            k: (tuple(v), np.dtype(np.float32)) for k, v in shapes.items()}, codec
     decode = jax.jit(codec.device_decode, static_argnums=3)
     restored = np.asarray(decode(stored, enc.side, ref, dtype))
     assert restored.dtype == dtype
@@ -205,3 +210,18 @@ def test_bad_configs_are_codec_errors() -> None:
         codec_from_config({"id": "uniform", "bits": 9})
     with pytest.raises(CodecError, match="bad parameters"):
         codec_from_config({"id": "lc", "colour": "red"})
+
+
+@pytest.mark.parametrize("codec", EXAMPLES)
+def test_declared_side_arrays_are_those_of_the_traced_encode(codec: Any) -> None:
+    """A restore checks stored side arrays against the codec's declaration (no trace of the
+    encode in a fresh process); it must be what the encode writes, for every float dtype
+    that works in float32 and any shape."""
+    from orbax_lossy.engine.restore import _side_spec, traced_side_spec
+
+    declared = codec.side_shapes()
+    assert declared is not None, f"{codec!r} declares no side arrays (restores trace it)"
+    for dtype in (np.float32, np.dtype(jnp.bfloat16), np.float16):
+        for shape in ((16,), (3, 5), (1,), (2, 1, 7)):
+            traced = traced_side_spec(codec, shape, np.dtype(dtype))
+            assert _side_spec(codec, shape, np.dtype(dtype)) == traced, (codec, dtype, shape)

@@ -68,6 +68,10 @@ class Bitmask(CodecBase):
     codec_id: ClassVar[str] = "bitmask"
     needs_reference: ClassVar[bool] = True
 
+    def side_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """Names and shapes of the side arrays (see :meth:`CodecBase.side_shapes`)."""
+        return {} if self.bits is None else {"rep": (2**self.bits,)}
+
     @property
     def lossy(self) -> bool:
         """Lossy only when ``bits`` quantizes the changed deltas."""

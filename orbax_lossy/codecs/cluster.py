@@ -174,6 +174,10 @@ class Cluster(CodecBase):
     codec_id: ClassVar[str] = "cluster"
     lossy: ClassVar[bool] = True
 
+    def side_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """Names and shapes of the side arrays (see :meth:`CodecBase.side_shapes`)."""
+        return {"codebook": (2**self.bits,)}
+
     @property
     def needs_reference(self) -> bool:
         """Only ``mode="delta"`` needs the previous reconstruction."""

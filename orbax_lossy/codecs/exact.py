@@ -25,6 +25,10 @@ class Exact(CodecBase):
     codec_id: ClassVar[str] = "exact"
     lossy: ClassVar[bool] = False
 
+    def side_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """Names and shapes of the side arrays (see :meth:`CodecBase.side_shapes`)."""
+        return {}
+
     def fields(self) -> dict[str, Field]:
         """One field ``raw``: the leaf itself, byte-plane coded."""
         return {"raw": Field.lossless()}

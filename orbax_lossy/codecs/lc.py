@@ -231,6 +231,12 @@ class LC(CodecBase):
     codec_id: ClassVar[str] = "lc"
     lossy: ClassVar[bool] = True
 
+    def side_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """Names and shapes of the side arrays (see :meth:`CodecBase.side_shapes`)."""
+        if self.domain == "log":
+            return {"factor": (2**self.bits,), "born": (1,)}
+        return {"rep": (2**self.bits,)}
+
     def __post_init__(self) -> None:
         if not isinstance(self.bits, int) or isinstance(self.bits, bool) or not (
             1 <= self.bits <= 8

@@ -47,6 +47,10 @@ class Same(CodecBase):
     lossy: ClassVar[bool] = True  # as a codec: it returns the reference whatever the value
     needs_reference: ClassVar[bool] = True
 
+    def side_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """Names and shapes of the side arrays (see :meth:`CodecBase.side_shapes`)."""
+        return {}
+
     def fields(self) -> dict[str, Field]:
         """One field ``sym``, always 0 (entropy coded as a single zero run)."""
         return {"sym": Field.symbols(2)}

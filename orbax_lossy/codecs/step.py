@@ -75,6 +75,10 @@ class Step(CodecBase):
     codec_id: ClassVar[str] = "step"
     lossy: ClassVar[bool] = True
 
+    def side_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """Names and shapes of the side arrays (see :meth:`CodecBase.side_shapes`)."""
+        return {"step": (1,)}
+
     def __post_init__(self) -> None:
         if (isinstance(self.rel, bool) or not isinstance(self.rel, int | float)
                 or not math.isfinite(self.rel) or not 0 < self.rel <= 1e6):

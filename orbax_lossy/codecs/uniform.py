@@ -47,6 +47,10 @@ class Uniform(CodecBase):
     lossy: ClassVar[bool] = True
     needs_reference: ClassVar[bool] = False
 
+    def side_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """Names and shapes of the side arrays (see :meth:`CodecBase.side_shapes`)."""
+        return {"codebook": (2**self.bits,)}
+
     def __post_init__(self) -> None:
         if not isinstance(self.bits, int) or isinstance(self.bits, bool) or not (
             1 <= self.bits <= 8

@@ -30,6 +30,10 @@ class Zero(CodecBase):
     lossy: ClassVar[bool] = True
     needs_reference: ClassVar[bool] = False
 
+    def side_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """Names and shapes of the side arrays (see :meth:`CodecBase.side_shapes`)."""
+        return {}
+
     def fields(self) -> dict[str, Field]:
         """One field ``sym``, always 0 (entropy coded as a single zero run)."""
         return {"sym": Field.symbols(2)}

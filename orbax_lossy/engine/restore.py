@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from orbax_lossy.codecs.base import work_dtype
 from orbax_lossy.engine import device, reading
 from orbax_lossy.errors import ChainError, FormatError, InvalidArgumentError, LossyError
 from orbax_lossy.format import payload
@@ -121,9 +122,20 @@ def _region_keys(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> set
 
 @functools.lru_cache(maxsize=4096)
 def _side_spec(codec: Any, shape: tuple[int, ...], dtype: np.dtype) -> dict[str, tuple]:
-    """``{name: (shape, dtype)}`` of the side arrays the codec writes for such a leaf."""
+    """``{name: (shape, dtype)}`` of the side arrays the codec writes for such a leaf: what
+    the codec declares (:meth:`side_shapes`) where the leaf works in float32, else what
+    tracing its encode gives."""
     if codec.codec_id == "exact":
         return {}
+    shapes = codec.side_shapes()
+    if shapes is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(
+            work_dtype(dtype)) == jnp.float32:
+        return {k: (tuple(v), np.dtype(np.float32)) for k, v in shapes.items()}
+    return traced_side_spec(codec, shape, dtype)
+
+
+def traced_side_spec(codec: Any, shape: tuple[int, ...], dtype: np.dtype) -> dict[str, tuple]:
+    """``{name: (shape, dtype)}`` of the side arrays of ``codec``'s encode, traced."""
     value = jax.ShapeDtypeStruct(shape, dtype)
     ref = value if codec.needs_reference else None
     side = jax.eval_shape(lambda v, r: codec.device_encode(v, r).side, value, ref)
