@@ -127,7 +127,8 @@ def _side_spec(codec: Any, shape: tuple[int, ...], dtype: np.dtype) -> dict[str,
     tracing its encode gives."""
     if codec.codec_id == "exact":
         return {}
-    shapes = codec.side_shapes()
+    declared = getattr(codec, "side_shapes", None)  # a plugin codec may not declare them
+    shapes = declared() if declared is not None else None
     if shapes is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(
             work_dtype(dtype)) == jnp.float32:
         return {k: (tuple(v), np.dtype(np.float32)) for k, v in shapes.items()}
