@@ -40,11 +40,11 @@ from orbax_lossy.engine.reference import Reference, Signature, delta_signature
 from orbax_lossy.errors import FormatError, LossyError
 from orbax_lossy.format import envelope, grid, payload, steps
 from orbax_lossy.format.manifest import (
-    MANIFEST_NAME,
     Header,
     LeafEntry,
     Manifest,
     ReferenceLink,
+    write_manifest,
 )
 from orbax_lossy.format.steps import step_of
 from orbax_lossy.policy import Policy, leaf_role
@@ -468,9 +468,7 @@ def merge_indexes(directory: str) -> Manifest:
         for index, plist in body["pieces"]:
             leaves[index]["pieces"].extend(plist)
     manifest = Manifest.parse({**primary["header"], "leaves": leaves}, directory)
-    envelope.write_envelope(
-        os.path.join(directory, MANIFEST_NAME), "manifest", manifest.to_msgpack()
-    )
+    write_manifest(directory, manifest)
     for n in names:
         steps.remove(os.path.join(directory, n))
     return manifest

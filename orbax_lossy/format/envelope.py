@@ -28,7 +28,7 @@ except ImportError:  # a platform without isal wheels: zlib's
 from orbax_lossy.errors import ChecksumError, FormatError, UnsupportedVersionError
 from orbax_lossy.format.steps import as_epath, is_remote
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 ENVELOPE_ENCODINGS = ("msgpack", "zlib")
 MAGIC = "orbax-lossy"
 # A structure file larger than this is not one we wrote; refuse before allocating.
@@ -69,17 +69,32 @@ def inflate_limit(stored: int) -> int:
     return min(MAX_ENVELOPE_BYTES, INFLATE_FLOOR + INFLATE_RATIO * stored)
 
 
-def _inflate(body: bytes, where: str) -> bytes:
-    """zlib-decompress ``body``, refusing output past :func:`inflate_limit`."""
-    inflater = zlib.decompressobj()
+def _inflate(body: bytes, where: str, zdict: bytes = b"") -> bytes:
+    """zlib-decompress ``body`` (with preset dictionary ``zdict``, if any), refusing output
+    past :func:`inflate_limit` (or twice the dictionary: a body coded against a dictionary
+    repeats it, and may inflate further than a self-contained one)."""
+    limit = max(inflate_limit(len(body)), min(MAX_ENVELOPE_BYTES, 2 * len(zdict)))
+    inflater = zlib.decompressobj(zdict=zdict) if zdict else zlib.decompressobj()
     try:
-        out = inflater.decompress(body, inflate_limit(len(body)))
+        out = inflater.decompress(body, limit)
     except zlib.error as e:
         raise FormatError(f"{where}: compressed body does not inflate ({e})") from e
     if inflater.unconsumed_tail or not inflater.eof:
         raise FormatError(f"{where}: compressed body is truncated or inflates past "
-                          f"{inflate_limit(len(body))} bytes (more than any manifest we write)")
+                          f"{limit} bytes (more than any manifest we write)")
     return out
+
+
+def deflate_with_dictionary(data: bytes, zdict: bytes) -> bytes:
+    """zlib-compress ``data`` (level 9) against the preset dictionary ``zdict``."""
+    deflater = zlib.compressobj(9, zdict=zdict)
+    return deflater.compress(data) + deflater.flush()
+
+
+def inflate_with_dictionary(data: bytes, zdict: bytes, where: str) -> Any:
+    """Invert :func:`deflate_with_dictionary` and msgpack-decode the result (bounded); a
+    wrong dictionary is refused by zlib's dictionary id (``FormatError``)."""
+    return _unpack_bounded(_inflate(data, where, zdict), where)
 
 
 def _unpack_bounded(data: bytes, where: str) -> Any:
@@ -104,6 +119,11 @@ def _unpack_bounded(data: bytes, where: str) -> Any:
 
 def unpack_envelope(data: bytes, file_type: str, where: str) -> Any:
     """Validate and decode an envelope; ``where`` names the file in error messages."""
+    return _unpack_bounded(unpack_envelope_bytes(data, file_type, where), where)
+
+
+def unpack_envelope_bytes(data: bytes, file_type: str, where: str) -> bytes:
+    """Validate an envelope and return its body as msgpack bytes (inflated, not decoded)."""
     try:
         outer = msgpack.unpackb(data, raw=False, strict_map_key=False, max_map_len=16,
                                 max_array_len=0, max_str_len=64, max_ext_len=0)
@@ -128,7 +148,7 @@ def unpack_envelope(data: bytes, file_type: str, where: str) -> Any:
         raise UnsupportedVersionError(f"{where}: unknown envelope encoding {encoding!r}")
     if encoding == "zlib":
         body = _inflate(body, where)
-    return _unpack_bounded(body, where)
+    return body
 
 
 def write_envelope(path: os.PathLike | str, file_type: str, body: Any) -> None:
@@ -264,11 +284,17 @@ def read_range(path: str, offset: int, length: int, what: str) -> bytes:
 def read_envelope(path: os.PathLike | str, file_type: str) -> Any:
     """Read and validate an envelope file (a regular file of at most 1 GiB)."""
     path = os.fspath(path)
+    return _unpack_bounded(read_envelope_bytes(path, file_type), path)
+
+
+def read_envelope_bytes(path: os.PathLike | str, file_type: str) -> bytes:
+    """Read and validate an envelope file; its body as msgpack bytes (inflated, not decoded)."""
+    path = os.fspath(path)
     if is_remote(path):
         size = _remote_size(path, "file")
         if size > MAX_ENVELOPE_BYTES:
             raise FormatError(f"{path}: {size} bytes is larger than any manifest we write")
-        return unpack_envelope(_remote_read(path, 0, size, "file"), file_type, path)
+        return unpack_envelope_bytes(_remote_read(path, 0, size, "file"), file_type, path)
     fd, size = open_regular(path, "file")
     try:
         if size > MAX_ENVELOPE_BYTES:
@@ -276,4 +302,9 @@ def read_envelope(path: os.PathLike | str, file_type: str) -> Any:
         data = read_at(fd, 0, size, path)
     finally:
         os.close(fd)
-    return unpack_envelope(data, file_type, path)
+    return unpack_envelope_bytes(data, file_type, path)
+
+
+def unpack_body(data: bytes, where: str) -> Any:
+    """msgpack-decode an inflated body (:func:`read_envelope_bytes`) with the container bound."""
+    return _unpack_bounded(data, where)

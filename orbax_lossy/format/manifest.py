@@ -20,10 +20,12 @@ import numpy as np
 
 from orbax_lossy.codecs.base import Codec, codec_from_config
 from orbax_lossy.errors import FormatError, LossyError
+from orbax_lossy.format import inherit
 from orbax_lossy.format.envelope import read_envelope, write_envelope
 from orbax_lossy.format.grid import box_inside, chunk_shape_for, intersect, within_one_chunk
 from orbax_lossy.format.payload import PieceRef
 from orbax_lossy.format.schema import (
+    MANIFEST_NAME,
     MAX_CHUNK_BYTES,
     MAX_LEAVES,
     MAX_SIDE_ARRAYS,
@@ -39,7 +41,6 @@ from orbax_lossy.format.schema import (
 )
 from orbax_lossy.treepaths import StoredPath, path_str
 
-MANIFEST_NAME = "manifest.msgpack"
 #: raw bytes per chunk-grid cell that saves use by default: each cell is one piece per field,
 #: read, checksummed and decoded as a unit (a 256 MB 9-delta restore: 0.69-0.75 s with 4 MiB
 #: cells, 0.53-0.57 s with 16 MiB; same bytes, same commit time)
@@ -383,14 +384,16 @@ class Manifest:
 
 
 def read_manifest(item_dir: os.PathLike | str) -> Manifest:
-    """Read, check and parse ``<item_dir>/manifest.msgpack``."""
-    path = os.path.join(os.fspath(item_dir), MANIFEST_NAME)
-    return Manifest.parse(read_envelope(path, "manifest"), path)
+    """Read, check and parse ``<item_dir>/manifest.msgpack`` (a delta's leaf entries merged
+    with its base's, :mod:`orbax_lossy.format.inherit`)."""
+    return Manifest.parse(read_manifest_body(item_dir), os.path.join(os.fspath(item_dir),
+                                                                     MANIFEST_NAME))
 
 
 def read_manifest_header(item_dir: os.PathLike | str) -> Header:
     """Read and check ``<item_dir>/manifest.msgpack`` (checksum included) and parse only its
-    header (retention needs the dependencies; parsing every leaf entry costs ~10x more)."""
+    header (retention needs the dependencies; parsing every leaf entry costs ~10x more; a
+    delta's base is not read)."""
     path = os.path.join(os.fspath(item_dir), MANIFEST_NAME)
     body = read_envelope(path, "manifest")
     if not isinstance(body, dict):
@@ -399,15 +402,20 @@ def read_manifest_header(item_dir: os.PathLike | str) -> Header:
 
 
 def read_manifest_body(item_dir: os.PathLike | str) -> dict[str, Any]:
-    """The on-disk manifest as msgpack decoded it: checksummed, not validated (for tools and
-    tests that inspect or rewrite the format; everything else uses :func:`read_manifest`)."""
-    body = read_envelope(os.path.join(os.fspath(item_dir), MANIFEST_NAME), "manifest")
+    """The manifest as msgpack decoded it, every leaf entry complete (a delta's merged with
+    its base's): checksummed, not validated (for tools and tests that inspect or rewrite the
+    format; everything else uses :func:`read_manifest`). Written back with
+    :func:`~orbax_lossy.format.envelope.write_envelope`, it is a valid whole manifest."""
+    path = os.path.join(os.fspath(item_dir), MANIFEST_NAME)
+    body = read_envelope(path, "manifest")
     if not isinstance(body, dict):
-        raise FormatError(f"{item_dir}: manifest body is not a map")
-    return body
+        raise FormatError(f"{path}: manifest body is not a map")
+    return inherit.unpack(os.fspath(item_dir), body, path)
 
 
 def write_manifest(item_dir: os.PathLike | str, manifest: Manifest) -> None:
-    """Write ``<item_dir>/manifest.msgpack``."""
-    write_envelope(os.path.join(os.fspath(item_dir), MANIFEST_NAME), "manifest",
-                   manifest.to_msgpack())
+    """Write ``<item_dir>/manifest.msgpack`` (a delta's leaf entries as differences from its
+    chain base's where that base can be read)."""
+    item_dir = os.fspath(item_dir)
+    write_envelope(os.path.join(item_dir, MANIFEST_NAME), "manifest",
+                   inherit.pack(item_dir, manifest.to_msgpack()))

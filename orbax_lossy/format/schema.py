@@ -14,6 +14,8 @@ import numpy as np
 from orbax_lossy.errors import FormatError
 from orbax_lossy.treepaths import EMPTY_NODE_KINDS, StoredPath
 
+#: the manifest file of an item directory
+MANIFEST_NAME = "manifest.msgpack"
 # Limits no writer reaches; a manifest past them is damaged or hostile.
 MAX_LEAVES = 1 << 20
 MAX_RANK = 64

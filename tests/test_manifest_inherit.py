@@ -1,0 +1,157 @@
+"""Format 4: a delta's leaf entries are stored as differences from its chain base's.
+
+What must hold: a delta's manifest reads back as the very entries it was written from; it is
+smaller on disk; its header reads without the base; a replaced, rewritten or missing base is a
+typed error naming the step, never entries merged with the wrong base; an entry that a
+difference cannot express is stored whole.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import orbax_lossy as ol
+from orbax_lossy import format as fmt
+from orbax_lossy.errors import ChainError, MissingStepError
+from orbax_lossy.format import inherit
+from orbax_lossy.format.envelope import read_envelope
+from orbax_lossy.format.manifest import read_manifest_body, read_manifest_header
+
+
+def _state(t: int) -> dict:
+    rng = np.random.default_rng(t)
+    w0 = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    return {
+        "params": {f"layer{i}": {"kernel": jnp.asarray(w0 + 0.01 * t * rng.standard_normal(
+            w0.shape).astype(np.float32)), "bias": jnp.full((32,), 0.1 * t + i, jnp.float32)}
+            for i in range(4)},
+        "opt_state": {"mu": jnp.asarray(rng.standard_normal((64, 32)) * 1e-3, jnp.float32),
+                      "count": jnp.int32(t)},
+        "batch_stats": {"mean": jnp.asarray(rng.standard_normal(32), jnp.float32)},
+        "step": t,
+    }
+
+
+def _save(root, steps, base_interval: int = 10) -> list[dict]:
+    saved = []
+    with ol.checkpoint_manager(root, base_interval=base_interval, max_to_keep=None,
+                               enable_async_checkpointing=False) as mngr:
+        for t in steps:
+            mngr.save(t, args=ol.LossySave(_state(t)))
+            mngr.wait_until_finished()
+            saved.append(_state(t))
+    return saved
+
+
+def _item(root, step: int) -> str:
+    return os.path.join(root, str(step), "default")
+
+
+def _raw(root, step: int) -> dict:
+    return read_envelope(os.path.join(_item(root, step), fmt.MANIFEST_NAME), "manifest")
+
+
+def test_deltas_inherit_from_their_base_and_read_back_whole(tmp_path) -> None:
+    _save(tmp_path, range(4))
+    assert inherit.INHERITS_KEY not in _raw(tmp_path, 0)  # a base is whole
+    base_id = _raw(tmp_path, 0)["save_id"]
+    for step in (1, 2, 3):
+        raw = _raw(tmp_path, step)
+        link = raw[inherit.INHERITS_KEY]
+        assert link["relpath"] == "../../0/default" and link["step"] == 0
+        assert link["save_id"] == base_id
+        assert all("path" not in e for e in raw["leaves"])  # every entry a difference
+        whole = read_manifest_body(_item(tmp_path, step))
+        assert inherit.INHERITS_KEY not in whole
+        # Written whole, the same manifest is larger, and parses to the same entries.
+        whole_dir = tmp_path / f"whole{step}" / "default"
+        whole_dir.mkdir(parents=True)
+        fmt.write_envelope(whole_dir / fmt.MANIFEST_NAME, "manifest", whole)
+        assert (os.path.getsize(whole_dir / fmt.MANIFEST_NAME)
+                > 1.2 * os.path.getsize(os.path.join(_item(tmp_path, step), fmt.MANIFEST_NAME)))
+        assert fmt.read_manifest(whole_dir) == fmt.read_manifest(_item(tmp_path, step))
+    restored = ol.checkpoint_manager(tmp_path).restore(3)
+    np.testing.assert_array_equal(np.asarray(restored["opt_state"]["count"]), 3)
+    np.testing.assert_array_equal(np.asarray(restored["batch_stats"]["mean"]),
+                                  np.asarray(_state(3)["batch_stats"]["mean"]))
+
+
+def test_a_new_chain_inherits_from_its_own_base(tmp_path) -> None:
+    _save(tmp_path, range(6), base_interval=3)  # bases 0 and 3
+    assert _raw(tmp_path, 3)["kind"] == "base"
+    assert _raw(tmp_path, 5)[inherit.INHERITS_KEY]["relpath"] == "../../3/default"
+    assert _raw(tmp_path, 2)[inherit.INHERITS_KEY]["relpath"] == "../../0/default"
+
+
+def test_the_header_reads_without_the_base(tmp_path) -> None:
+    _save(tmp_path, range(3))
+    shutil.rmtree(tmp_path / "0")
+    header = read_manifest_header(_item(tmp_path, 2))
+    assert header.step == 2 and header.depends_on == (1,)
+    with pytest.raises(MissingStepError, match="step 0") as e:
+        fmt.read_manifest(_item(tmp_path, 2))
+    assert e.value.step == 0
+
+
+def test_a_rewritten_base_is_refused_not_merged(tmp_path) -> None:
+    _save(tmp_path, range(3))
+    body = read_envelope(os.path.join(_item(tmp_path, 0), fmt.MANIFEST_NAME), "manifest")
+    body["leaves"][0]["rel_error"] = 0.5  # any change of the base's bytes
+    fmt.write_envelope(os.path.join(_item(tmp_path, 0), fmt.MANIFEST_NAME), "manifest", body)
+    with pytest.raises(ChainError, match="step 0.*changed"):
+        fmt.read_manifest(_item(tmp_path, 2))
+
+
+def test_a_replaced_base_is_refused(tmp_path) -> None:
+    _save(tmp_path / "a", range(2))
+    _save(tmp_path / "b", [0])  # another save of step 0, same values, another save id
+    shutil.rmtree(tmp_path / "a" / "0")
+    shutil.copytree(tmp_path / "b" / "0", tmp_path / "a" / "0")
+    with pytest.raises(ChainError, match="changed"):
+        fmt.read_manifest(_item(tmp_path / "a", 1))
+
+
+def test_a_base_link_cannot_leave_the_root(tmp_path) -> None:
+    _save(tmp_path / "root", range(2))
+    raw = _raw(tmp_path / "root", 1)
+    raw[inherit.INHERITS_KEY]["relpath"] = "../../../elsewhere/0/default"
+    fmt.write_envelope(os.path.join(_item(tmp_path / "root", 1), fmt.MANIFEST_NAME),
+                       "manifest", raw)
+    with pytest.raises(ChainError, match="leaves the checkpoint root"):
+        fmt.read_manifest(_item(tmp_path / "root", 1))
+
+
+def test_a_difference_past_the_base_is_refused(tmp_path) -> None:
+    _save(tmp_path, range(2))
+    raw = _raw(tmp_path, 1)
+    raw["leaves"].append({"rel_error": 0.0})
+    fmt.write_envelope(os.path.join(_item(tmp_path, 1), fmt.MANIFEST_NAME), "manifest", raw)
+    with pytest.raises(ChainError, match="does not have"):
+        fmt.read_manifest(_item(tmp_path, 1))
+
+
+def test_entries_a_difference_cannot_express_are_stored_whole() -> None:
+    base = [
+        {"path": [["d", "a"]], "kind": "device", "sharding": "s", "pieces": [{"o": 1, "c": 2}]},
+        {"path": [["d", "b"]], "kind": "device", "pieces": [{"o": 3}]},
+        {"path": [["d", "c"]], "kind": "device", "pieces": []},
+    ]
+    leaves = [
+        {"path": [["d", "a"]], "kind": "device", "pieces": [{"o": 5, "c": 2}]},  # lost a key
+        {"path": [["d", "x"]], "kind": "device", "pieces": [{"o": 3}]},  # another path
+        {"path": [["d", "c"]], "kind": "numpy", "pieces": [{"o": 9, "c": 1}]},  # a difference
+        {"path": [["d", "d"]], "kind": "device"},  # past the base
+    ]
+    packed = inherit.compact(leaves, base)
+    assert packed[:2] == leaves[:2] and packed[3] == leaves[3]
+    assert packed[2] == {"kind": "numpy", "pieces": [{"o": 9, "c": 1}]}
+    assert inherit.expand(packed, base, "x") == leaves
+    # A piece list of the base's length is differenced piece by piece.
+    diff = inherit.difference({"path": 1, "pieces": [{"o": 7, "c": 2}]},
+                              {"path": 1, "pieces": [{"o": 1, "c": 2}]})
+    assert diff == {"pieces": [{"o": 7}]}
