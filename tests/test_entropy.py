@@ -217,6 +217,48 @@ def test_blocks_decode_independently() -> None:
         assert not out[: sl.start].any()
 
 
+def _blocks_position(buf: np.ndarray) -> int:
+    """Where the blocks of a TUPLE stream start."""
+    _, pos = stream._read_uvarint(buf, 1, "n")
+    used, pos = stream._read_symset(buf, pos)
+    k = int(buf[pos])
+    return huffman.deserialize_lengths(buf, pos + 1, used.size**k)[1]
+
+
+@pytest.mark.parametrize("n", [32, 3000, stream.BLOCK_SYMBOLS])
+def test_one_block_streams_have_no_size_table(n: int) -> None:
+    """Format 4: a stream of one block stores block size 0 and no size table (6 bytes less
+    than the sized form, which a small leaf's stream of ~20 bytes felt)."""
+    sym = _iid(7, np.array([4.0, 2, 1, 1]), n=n)  # dyadic: plain Huffman (k = 1) is optimal
+    data = encode_symbols(sym)
+    buf = np.frombuffer(data, np.uint8)
+    assert buf[0] == stream.MODE_TUPLE
+    pos = _blocks_position(buf)
+    assert buf[pos] == 0
+    np.testing.assert_array_equal(decode_symbols(data, n), sym)
+    # The sized form of the same block (what format 3 wrote) still decodes.
+    sized = data[:pos] + stream._uvarint(stream.BLOCK_SYMBOLS) + np.array(
+        [len(data) - pos - 1], "<u4").tobytes() + data[pos + 1:]
+    np.testing.assert_array_equal(decode_symbols(sized, n), sym)
+    assert len(sized) == len(data) + 6  # 3-byte block size and a u32 size, for one 0 byte
+    with pytest.raises((FormatError, TruncatedError)):
+        decode_symbols(data[:-1], n)
+    with pytest.raises(FormatError):
+        decode_symbols(data + b"\0", n)
+
+
+def test_a_one_block_stream_past_the_block_limit_is_refused() -> None:
+    sym = _iid(8, np.array([4.0, 2, 1, 1]), n=2 * stream.BLOCK_SYMBOLS)
+    data = encode_symbols(sym)
+    buf = np.frombuffer(data, np.uint8)
+    pos = _blocks_position(buf)
+    units, after = stream._read_uvarint(buf, pos, "units")
+    assert units == stream.BLOCK_SYMBOLS  # two blocks: the sized form
+    one = data[:pos] + b"\0" + data[after + 8:]
+    with pytest.raises(FormatError, match="one-block"):
+        decode_symbols(one, sym.size)
+
+
 # --------------------------------------------------------------------------- corruption
 
 

@@ -160,6 +160,8 @@ def _block_sizes_offset(data: bytes) -> tuple[int, int]:
     k = int(buf[pos])
     lens, pos = stream.huffman.deserialize_lengths(buf, pos + 1, used.size**k)
     units, pos2 = stream._read_uvarint(buf, pos, "units")
+    if units == 0:  # the one-block form has no size table
+        return pos2, 0
     tuples = -(-n // k)
     nb = -(-tuples // units)
     return pos2, nb

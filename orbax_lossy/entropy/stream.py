@@ -17,6 +17,8 @@ Stream layout (``uvarint`` = unsigned LEB128, at most 9 bytes; ``u32le`` = littl
              | 32-byte bitmap (bit s&7 of byte s>>3) with exactly m bits set, otherwise
     table(A):= A Huffman code lengths, nibble packed (see orbax_lossy.entropy.huffman)
     blocks  := units:uvarint  size:u32le[nb]  payload[sum(size)]   (nothing may follow)
+             | 0:u8  payload                     one block of every unit (written since
+                                                 format 4 when nb = 1; payload: the rest)
 
 TUPLE: the m used symbols (``symset``, ascending) are numbered 0..m-1 ("digits"); the input,
 padded with digit 0 to a multiple of k, is cut into k-tuples, each a super-symbol
@@ -250,8 +252,16 @@ def _symset_bytes(used: np.ndarray) -> bytes:
 
 
 def _blocks_bytes(units: int, payload: np.ndarray, block_ends: np.ndarray) -> bytes:
+    if block_ends.size == 1:  # one block: its size is the rest of the stream
+        return _uvarint(0) + payload.tobytes()
     sizes = np.diff(np.concatenate(([0], block_ends))).astype("<u4")
     return _uvarint(units) + sizes.tobytes() + payload.tobytes()
+
+
+def _blocks_overhead(units: int, nb: int) -> float:
+    """Bytes of :func:`_blocks_bytes` besides the payload, with half a byte of padding per
+    block."""
+    return (1 if nb == 1 else len(_uvarint(units)) + 4 * nb) + nb / 2
 
 
 class _Plan:
@@ -273,7 +283,7 @@ def _plan_tuple(
     nb = _ceil_div(_ceil_div(sym.size, k), units)
     table = huffman.serialize_lengths(lens)
     head = bytes([m - 1]) + _symset_bytes(used) + bytes([k]) + table
-    size = len(head) + len(_uvarint(units)) + 4 * nb + bits / 8 + nb / 2
+    size = len(head) + _blocks_overhead(units, nb) + bits / 8
 
     def build() -> bytes:
         codes = huffman.canonical_codes(lens)
@@ -293,7 +303,7 @@ def _plan_zrun(sym: np.ndarray, zsym: int) -> _Plan:
     bits = int(rh @ (rlens.astype(np.int64) + K.RUN_EXTRA) + lh @ llens.astype(np.int64))
     nb = _ceil_div(sym.size, block)
     head = bytes([zsym]) + huffman.serialize_lengths(rlens) + huffman.serialize_lengths(llens)
-    size = len(head) + len(_uvarint(block)) + 4 * nb + bits / 8 + nb / 2
+    size = len(head) + _blocks_overhead(block, nb) + bits / 8
 
     def build() -> bytes:
         rcodes = huffman.canonical_codes(rlens)
@@ -401,6 +411,11 @@ def _read_symset(buf: np.ndarray, pos: int) -> tuple[np.ndarray, int]:
 
 def _read_blocks(buf: np.ndarray, pos: int, total_units: int) -> tuple[int, np.ndarray]:
     units, pos = _read_uvarint(buf, pos, "block size")
+    if units == 0:  # one block (format 4): all units, the rest of the stream
+        if not 1 <= total_units <= MAX_BLOCK_UNITS:
+            raise FormatError(f"a one-block stream of {total_units} units (at most "
+                              f"{MAX_BLOCK_UNITS})")
+        return total_units, np.array([pos, buf.size], np.int64)
     if not 1 <= units <= MAX_BLOCK_UNITS:
         raise FormatError(f"block size {units} out of range 1..{MAX_BLOCK_UNITS}")
     nb = _ceil_div(total_units, units)
