@@ -196,3 +196,36 @@ def test_plane_kernels_keep_the_documented_layout(dtype) -> None:
     planes = to_planes(arr)
     np.testing.assert_array_equal(planes, _reference_planes(arr))
     _assert_identical(from_planes(planes, arr.shape, arr.dtype), arr)
+
+
+@pytest.mark.parametrize("dtype", ALL)
+@pytest.mark.parametrize("shape", [(), (1,), (3, 5), (64,)])
+def test_small_and_incompressible_arrays_are_stored_as_words(dtype, shape) -> None:
+    """Format 4: where byte planes would not be smaller, the array's own words (version 2):
+    a scalar of n bytes costs 2 + 1 + n bytes, never more than the planes."""
+    array = _random_bits(dtype, shape, seed=3)
+    data = _roundtrip(array)
+    words = 3 + array.nbytes
+    assert len(data) <= words
+    if data[0] == 2:
+        assert len(data) == words
+    if array.size <= 1:
+        assert data[0] == 2
+
+
+def test_a_compressible_array_keeps_its_planes() -> None:
+    array = np.zeros(4096, np.float32)
+    data = _roundtrip(array)
+    assert data[0] == 1 and len(data) < 64
+
+
+def test_damaged_words_are_refused() -> None:
+    array = np.arange(8, dtype=np.float32) * 1.1
+    data = _roundtrip(array)
+    assert data[0] == 2
+    with pytest.raises(TruncatedError):
+        decode_array(data[:-1], array.shape, array.dtype)
+    with pytest.raises(FormatError):
+        decode_array(data + b"\0", array.shape, array.dtype)
+    with pytest.raises(FormatError, match="bool"):
+        decode_array(bytes([2, 1, 2, 0, 7]), (2,), np.bool_)
