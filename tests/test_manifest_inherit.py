@@ -65,9 +65,11 @@ def test_deltas_inherit_from_their_base_and_read_back_whole(tmp_path) -> None:
         link = raw[inherit.INHERITS_KEY]
         assert link["relpath"] == "../../0/default" and link["step"] == 0
         assert link["save_id"] == base_id
-        assert all("path" not in e for e in raw["leaves"])  # every entry a difference
+        assert all("path" not in e and "stored_bytes" not in e for e in raw["leaves"])
         whole = read_manifest_body(_item(tmp_path, step))
         assert inherit.INHERITS_KEY not in whole
+        for e in whole["leaves"]:
+            assert e["stored_bytes"] == sum(p["length"] for p in e["pieces"])
         # Written whole, the same manifest is larger, and parses to the same entries.
         whole_dir = tmp_path / f"whole{step}" / "default"
         whole_dir.mkdir(parents=True)
