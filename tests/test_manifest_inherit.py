@@ -102,6 +102,7 @@ def test_the_header_reads_without_the_base(tmp_path) -> None:
 
 def test_a_rewritten_base_is_refused_not_merged(tmp_path) -> None:
     _save(tmp_path, range(3))
+    fmt.read_manifest(_item(tmp_path, 2))  # the base, read once, is kept for the next reads
     body = read_envelope(os.path.join(_item(tmp_path, 0), fmt.MANIFEST_NAME), "manifest")
     body["leaves"][0]["rel_error"] = 0.5  # any change of the base's bytes
     fmt.write_envelope(os.path.join(_item(tmp_path, 0), fmt.MANIFEST_NAME), "manifest", body)

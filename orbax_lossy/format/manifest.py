@@ -386,8 +386,8 @@ class Manifest:
 def read_manifest(item_dir: os.PathLike | str) -> Manifest:
     """Read, check and parse ``<item_dir>/manifest.msgpack`` (a delta's leaf entries merged
     with its base's, :mod:`orbax_lossy.format.inherit`)."""
-    return Manifest.parse(read_manifest_body(item_dir), os.path.join(os.fspath(item_dir),
-                                                                     MANIFEST_NAME))
+    path = os.path.join(os.fspath(item_dir), MANIFEST_NAME)
+    return Manifest.parse(_read_body(item_dir, copy=False), path)
 
 
 def read_manifest_header(item_dir: os.PathLike | str) -> Header:
@@ -406,11 +406,17 @@ def read_manifest_body(item_dir: os.PathLike | str) -> dict[str, Any]:
     its base's): checksummed, not validated (for tools and tests that inspect or rewrite the
     format; everything else uses :func:`read_manifest`). Written back with
     :func:`~orbax_lossy.format.envelope.write_envelope`, it is a valid whole manifest."""
+    return _read_body(item_dir, copy=True)
+
+
+def _read_body(item_dir: os.PathLike | str, copy: bool) -> dict[str, Any]:
+    """The manifest body with complete leaf entries (sharing a cached base's values unless
+    ``copy``: only for parsing, which modifies nothing)."""
     path = os.path.join(os.fspath(item_dir), MANIFEST_NAME)
     body = read_envelope(path, "manifest")
     if not isinstance(body, dict):
         raise FormatError(f"{path}: manifest body is not a map")
-    return inherit.unpack(os.fspath(item_dir), body, path)
+    return inherit.unpack(os.fspath(item_dir), body, path, copy)
 
 
 def write_manifest(item_dir: os.PathLike | str, manifest: Manifest) -> None:
