@@ -177,27 +177,55 @@ def lc_statistics_kernel(kind: int, daz: bool) -> Callable[..., tuple]:
     has_ref = kind in (LC_DELTA, LC_LOG)
     log = kind == LC_LOG
 
+    @njit(inline="always")
+    def element(value, reference, i, lane, top, bottom, count, coded, flags, newborn):
+        bad, negative, subnormal = flags
+        v = _flush(value[i], daz)
+        r = _flush(reference[i], daz) if has_ref else np.float32(0.0)
+        bad |= _nonfinite(v) | _nonfinite(r) | _nonfinite(v - r)
+        negative |= v < 0
+        subnormal |= _subnormal(value[i]) | _subnormal(r)
+        if log:
+            newborn = max(newborn, _pick((r <= 0) & (v > 0), v, np.float32(0.0)))
+        x = _coded(v, r, kind)
+        if log:
+            coded[i] = x
+        slot = _bits(x) >> 23
+        top[lane, slot] = max(top[lane, slot], x)
+        bottom[lane, slot] = min(bottom[lane, slot], x)
+        count[lane, slot] += 1
+        return (bad, negative, subnormal), newborn
+
     @njit(nogil=True, cache=True, error_model="numpy")
     def lc_statistics(value, reference, top, bottom, count, coded):
-        bad = False
-        negative = False
-        subnormal = False
+        # UNROLL elements at a time, each into its own row of slots: neighbours mostly fall
+        # in the same slot, and one row would chain every update on the previous one's
+        # store (the pass ran 1.5-2x slower so)
+        tops = np.full((UNROLL, top.size), -np.inf, np.float32)
+        bottoms = np.full((UNROLL, top.size), np.inf, np.float32)
+        counts = np.zeros((UNROLL, top.size), np.int64)
+        flags = (False, False, False)
         newborn = np.float32(0.0)
-        for i in range(value.size):  # (a range(lo, hi) loop ran 1.7x slower)
-            v = _flush(value[i], daz)
-            r = _flush(reference[i], daz) if has_ref else np.float32(0.0)
-            bad |= _nonfinite(v) | _nonfinite(r) | _nonfinite(v - r)
-            negative |= v < 0
-            subnormal |= _subnormal(value[i]) | _subnormal(r)
-            if log:
-                newborn = max(newborn, _pick((r <= 0) & (v > 0), v, np.float32(0.0)))
-            x = _coded(v, r, kind)
-            if log:
-                coded[i] = x
-            slot = _bits(x) >> 23
-            top[slot] = max(top[slot], x)
-            bottom[slot] = min(bottom[slot], x)
-            count[slot] += 1
+        n = value.size
+        lanes = n - n % UNROLL
+        for i in range(0, lanes, UNROLL):  # (a range(lo, hi) loop ran 1.7x slower)
+            flags, newborn = element(value, reference, i, 0, tops, bottoms, counts, coded,
+                                     flags, newborn)
+            flags, newborn = element(value, reference, i + 1, 1, tops, bottoms, counts,
+                                     coded, flags, newborn)
+            flags, newborn = element(value, reference, i + 2, 2, tops, bottoms, counts,
+                                     coded, flags, newborn)
+            flags, newborn = element(value, reference, i + 3, 3, tops, bottoms, counts,
+                                     coded, flags, newborn)
+        for i in range(lanes, n):
+            flags, newborn = element(value, reference, i, 0, tops, bottoms, counts, coded,
+                                     flags, newborn)
+        for lane in range(UNROLL):
+            for slot in range(top.size):
+                top[slot] = max(top[slot], tops[lane, slot])
+                bottom[slot] = min(bottom[slot], bottoms[lane, slot])
+                count[slot] += counts[lane, slot]
+        bad, negative, subnormal = flags
         return not bad, not negative, subnormal, newborn
 
     return lc_statistics
