@@ -203,6 +203,9 @@ def unpack(item_dir: str, body: Any, where: str, copy: bool = True) -> Any:
 _BASES: collections.OrderedDict[tuple[Any, ...], list[Any]] = collections.OrderedDict()
 _BASES_LOCK = threading.Lock()
 _BASES_KEPT = 2
+#: larger bases (inflated manifest bytes; ~10k leaves) are not kept: their decoded entries
+#: would hold 10-20x as much memory for the life of the process
+_BASE_CACHE_BYTES = 4 << 20
 
 
 def _base_leaves(base_dir: str, link: dict[str, Any], where: str) -> list[Any]:
@@ -228,7 +231,7 @@ def _base_leaves(base_dir: str, link: dict[str, Any], where: str) -> list[Any]:
     leaves = base.get("leaves")
     if not isinstance(leaves, list):
         raise ChainError(f"{where}: the leaf table of its base {base_dir} is not a list")
-    if key is not None:
+    if key is not None and len(raw) <= _BASE_CACHE_BYTES:
         with _BASES_LOCK:
             _BASES[key] = leaves
             while len(_BASES) > _BASES_KEPT:
