@@ -69,32 +69,17 @@ def inflate_limit(stored: int) -> int:
     return min(MAX_ENVELOPE_BYTES, INFLATE_FLOOR + INFLATE_RATIO * stored)
 
 
-def _inflate(body: bytes, where: str, zdict: bytes = b"") -> bytes:
-    """zlib-decompress ``body`` (with preset dictionary ``zdict``, if any), refusing output
-    past :func:`inflate_limit` (or twice the dictionary: a body coded against a dictionary
-    repeats it, and may inflate further than a self-contained one)."""
-    limit = max(inflate_limit(len(body)), min(MAX_ENVELOPE_BYTES, 2 * len(zdict)))
-    inflater = zlib.decompressobj(zdict=zdict) if zdict else zlib.decompressobj()
+def _inflate(body: bytes, where: str) -> bytes:
+    """zlib-decompress ``body``, refusing output past :func:`inflate_limit`."""
+    inflater = zlib.decompressobj()
     try:
-        out = inflater.decompress(body, limit)
+        out = inflater.decompress(body, inflate_limit(len(body)))
     except zlib.error as e:
         raise FormatError(f"{where}: compressed body does not inflate ({e})") from e
     if inflater.unconsumed_tail or not inflater.eof:
         raise FormatError(f"{where}: compressed body is truncated or inflates past "
-                          f"{limit} bytes (more than any manifest we write)")
+                          f"{inflate_limit(len(body))} bytes (more than any manifest we write)")
     return out
-
-
-def deflate_with_dictionary(data: bytes, zdict: bytes) -> bytes:
-    """zlib-compress ``data`` (level 9) against the preset dictionary ``zdict``."""
-    deflater = zlib.compressobj(9, zdict=zdict)
-    return deflater.compress(data) + deflater.flush()
-
-
-def inflate_with_dictionary(data: bytes, zdict: bytes, where: str) -> Any:
-    """Invert :func:`deflate_with_dictionary` and msgpack-decode the result (bounded); a
-    wrong dictionary is refused by zlib's dictionary id (``FormatError``)."""
-    return _unpack_bounded(_inflate(data, where, zdict), where)
 
 
 def _unpack_bounded(data: bytes, where: str) -> Any:
