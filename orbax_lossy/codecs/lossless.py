@@ -170,16 +170,15 @@ def encode_array(array: np.ndarray) -> bytes:
     arr = np.asarray(array)
     code = _dtype_code(arr.dtype)
     head = encode_uvarint(arr.size)
-    words = _words(arr)
     parts = [bytes([VERSION, code]), head]
-    size = 2 + len(head)
+    size = 0
     for plane in to_planes(arr):
         stream = encode_symbols(plane)
         parts.append(encode_uvarint(len(stream)))
         parts.append(stream)
         size += len(parts[-1]) + len(parts[-2])
-        if size >= 2 + len(head) + len(words):
-            return bytes([WORDS_VERSION, code]) + head + words
+        if size >= arr.nbytes:  # the planes are no smaller than the words: no more planes
+            return bytes([WORDS_VERSION, code]) + head + _words(arr)
     return b"".join(parts)
 
 

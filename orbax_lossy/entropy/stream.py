@@ -365,8 +365,9 @@ def _sampled_tuple_size(sym: np.ndarray, m: int, k: int, digit: np.ndarray) -> f
     hist = K.strided_tuple_histogram(sym, digit, m, k, m**k, stride, count)
     lens = huffman.code_lengths(hist)
     payload = int(hist @ lens.astype(np.int64)) / 8 * full / count
-    nb = _ceil_div(_ceil_div(sym.size, k), BLOCK_SYMBOLS // k)
-    return len(huffman.serialize_lengths(lens)) + 4 * nb + payload + nb / 2
+    units = BLOCK_SYMBOLS // k
+    nb = _ceil_div(_ceil_div(sym.size, k), units)
+    return len(huffman.serialize_lengths(lens)) + _blocks_overhead(units, nb) + payload
 
 
 def encode_symbols(symbols: np.ndarray) -> bytes:

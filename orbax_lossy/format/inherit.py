@@ -89,7 +89,7 @@ def compact(leaves: list[dict[str, Any]], base_leaves: list[Any]) -> list[dict[s
         if isinstance(base, dict) and base.get("path") == entry["path"]:
             diff = difference(entry, base)
             diff.pop(STORED_BYTES, None)  # the sum of the piece lengths: restored on reading
-            if _expanded(diff, base) == entry:
+            if _expanded(diff, base, copy=False) == entry:
                 out.append(diff)
                 continue
         out.append(entry)
@@ -122,11 +122,6 @@ def expand(leaves: list[Any], base_leaves: list[Any], where: str,
     return out
 
 
-def _base_body(item_dir: str, relpath: str, where: str) -> tuple[bytes, dict[str, Any]]:
-    """(inflated body bytes, decoded body) of the manifest ``relpath`` names from ``item_dir``."""
-    return _body_of(normpath(os.path.join(item_dir, relpath)), where)
-
-
 def _body_of(directory: str, where: str) -> tuple[bytes, dict[str, Any]]:
     """(inflated body bytes, decoded body) of ``directory``'s manifest."""
     path = os.path.join(directory, MANIFEST_NAME)
@@ -148,24 +143,21 @@ def link_for(item_dir: str, body: dict[str, Any]) -> tuple[dict[str, Any], list[
     if not isinstance(rel, str):
         return None
     try:
-        raw, ref = _base_body(item_dir, rel, item_dir)
+        raw, ref = _body_of(normpath(os.path.join(item_dir, rel)), item_dir)
         if ref.get("kind") == "base":
-            base_rel, base_raw, base = rel, raw, ref
+            leaves = ref.get("leaves")
+            link = {"relpath": rel, "step": ref.get("step"), "save_id": ref.get("save_id"),
+                    "crc32": crc32(raw)}
         else:
-            link = ref.get(INHERITS_KEY)
-            if not isinstance(link, dict) or not isinstance(link.get("relpath"), str):
+            ref_link = ref.get(INHERITS_KEY)
+            if not isinstance(ref_link, dict) or not isinstance(ref_link.get("relpath"), str):
                 return None  # the reference was written whole (format <= 3)
-            base_rel = os.path.normpath(os.path.join(rel, link["relpath"]))
-            base_raw, base = _base_body(item_dir, base_rel, item_dir)
-            if crc32(base_raw) != link.get("crc32") or base.get("kind") != "base":
-                return None
+            base_rel = os.path.normpath(os.path.join(rel, ref_link["relpath"]))
+            link = {**ref_link, "relpath": base_rel}
+            leaves = _base_leaves(normpath(os.path.join(item_dir, base_rel)), link, item_dir)
     except (OSError, LossyError):
         return None
-    leaves = base.get("leaves")
-    if not isinstance(leaves, list):
-        return None
-    return ({"relpath": base_rel, "step": base.get("step"), "save_id": base.get("save_id"),
-             "crc32": crc32(base_raw)}, leaves)
+    return (link, leaves) if isinstance(leaves, list) else None
 
 
 def pack(item_dir: str, body: dict[str, Any]) -> dict[str, Any]:
