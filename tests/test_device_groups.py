@@ -1,5 +1,4 @@
-"""Device programs: one per class of leaves for saves; old whole-tree checkpoints decode in
-the groups of leaves they were written with (``leaf_groups``)."""
+"""Device programs: one per class of leaves for saves, dispatched on the leaf pool."""
 
 from __future__ import annotations
 
@@ -10,17 +9,6 @@ import pytest
 
 import orbax_lossy as ol
 from orbax_lossy.engine import cpu_encode, device
-
-
-def test_leaf_groups_are_consecutive_and_bounded() -> None:
-    assert device.leaf_groups([10, 10, 100, 5, 5, 5], 20) == [range(0, 2), range(2, 3),
-                                                                range(3, 6)]
-    assert device.leaf_groups([], 20) == []
-    assert device.leaf_groups([50], 20) == [range(0, 1)]
-    sizes = list(np.random.default_rng(0).integers(1, 100, 200))
-    groups = device.leaf_groups(sizes, 150)
-    assert [j for g in groups for j in g] == list(range(200))
-    assert all(sum(sizes[j] for j in g) <= 150 or len(g) == 1 for g in groups)
 
 
 def _pairs(n: int, rng: np.random.Generator) -> dict:

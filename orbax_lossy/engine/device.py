@@ -144,68 +144,30 @@ def _decode_tree(
 
 
 decode_tree = jax.jit(_decode_tree, static_argnames=("plan", "dtypes", "shardings"))
-#: :func:`decode_tree` for a restore's own intermediate values: the references (the
-#: previous link's values) are donated, so decoding a chain link reuses their buffers.
-decode_owned_tree = jax.jit(_decode_tree, static_argnames=("plan", "dtypes", "shardings"),
-                            donate_argnums=(2,))
+def _decode_links(
+    fields: Sequence[dict[str, jax.Array]],
+    sides: Sequence[dict[str, jax.Array]],
+    reference: jax.Array | None,
+    *,
+    plans: tuple[Codec, ...],
+    dtype: Any,
+    sharding: jax.sharding.Sharding | None,
+) -> jax.Array:
+    """One leaf decoded through consecutive links of its chain: ``x = reference``, then per
+    link ``x = decode(fields, side, x)`` (a link whose codec needs no reference starts
+    afresh). XLA fuses the links into one pass over the leaf; every intermediate value is
+    rounded to ``dtype`` as a link-by-link decode rounds it, so the result is bit-identical."""
+    x = reference
+    for f, side, codec in zip(fields, sides, plans, strict=True):
+        ref = x if codec.needs_reference else None
+        x = _constrain(codec.device_decode(f, side, ref, jnp.dtype(dtype)), sharding)
+    assert x is not None
+    return x
 
 
-#: checkpoints of the ``"tree"`` program layout (written before per-class programs) were
-#: encoded, and are decoded, over groups of leaves of at most about this many input bytes
-#: (XLA:CPU keeps every leaf's temporaries live for the whole program)
-GROUP_BYTES = 64 << 20
-#: ... and of at most an eighth of the tree, unless that is below this (small trees stay one
-#: program), so the temporaries stay a fraction of the state at every size
-MIN_GROUP_BYTES = 4 << 20
-
-
-def _nbytes(x: Any) -> int:
-    if isinstance(x, dict):
-        return sum(_nbytes(v) for v in x.values())
-    return int(getattr(x, "nbytes", 0) or 0)
-
-
-def leaf_groups(sizes: Sequence[int], budget: int | None = None) -> list[range]:
-    """Consecutive leaves cut into groups of at most ``budget`` bytes (a larger leaf alone;
-    default: ``GROUP_BYTES``, or an eighth of the tree if smaller, but ``MIN_GROUP_BYTES``).
-
-    Depends on the leaves' global sizes only, so every process forms the same groups and a
-    tree saved again reuses the same compiled programs.
-    """
-    if budget is None:
-        budget = min(GROUP_BYTES, max(MIN_GROUP_BYTES, sum(sizes) // 8))
-    groups, start, total = [], 0, 0
-    for j, size in enumerate(sizes):
-        if j > start and total + size > budget:
-            groups.append(range(start, j))
-            start, total = j, 0
-        total += size
-    if start < len(sizes):
-        groups.append(range(start, len(sizes)))
-    return groups
-
-
-def run_grouped(fn, per_leaf: bool, *lists: list[Any], **statics: tuple[Any, ...]) -> list[Any]:
-    """Run a tree program once per leaf, or over groups of leaves (the restore's decode
-    programs, in the layout the checkpoint was written with).
-
-    Saves encode one leaf per program (``save.dispatch_encode``), compiled once per *class* of
-    leaves (shape, dtype, sharding, codec): a 12-layer AdamW state (361 leaves) compiles 15
-    programs in ~10 s, where one program over the whole tree took ~47 s (compile time grows
-    with the number of leaves), and a plan that changes from save to save (adaptive
-    policies) recompiles nothing it has seen. Checkpoints written with whole-tree programs
-    (layout ``"tree"``) decode with the same groups of leaves (:func:`leaf_groups`).
-    """
-    n = len(lists[0])
-    groups = ([range(j, j + 1) for j in range(n)] if per_leaf
-              else leaf_groups([_nbytes(x) for x in lists[0]]))
-    if len(groups) == 1:
-        return fn(*lists, **statics)
-    out = []
-    for group in groups:
-        out.extend(fn(*[[arg[j] for j in group] for arg in lists],
-                      **{k: tuple(v[j] for j in group) for k, v in statics.items()}))
-    return out
+#: :func:`_decode_links`, donating the reference (a restore's own intermediate value)
+decode_links = jax.jit(_decode_links, static_argnames=("plans", "dtype", "sharding"),
+                       donate_argnums=(2,))
 
 
 def leaf_pool() -> concurrent.futures.ThreadPoolExecutor:

@@ -1,0 +1,98 @@
+"""A restore decodes a chain's links in windows (one program per leaf and window,
+``device.decode_links``): whatever the window size, every step restores bit for bit what the
+saving process held, including a leaf stored whole in the middle of the chain."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import orbax_lossy as ol
+from orbax_lossy.engine import device
+from orbax_lossy.engine import restore as restoring
+from orbax_lossy.format.manifest import read_manifest
+from orbax_lossy.treepaths import flatten, path_str
+
+STEPS = 7  # a base and six deltas
+
+
+def _states() -> list[dict]:
+    """An AdamW train state (params, mu, nu, count) over STEPS optimizer steps; at step 3 one
+    parameter holds a NaN, so that save stores it whole (the guard) and later links build on
+    that instead of on the base."""
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"w": jax.random.normal(k[0], (64, 48), jnp.float32),
+              "b": 0.1 * jax.random.normal(k[1], (48,), jnp.float32),
+              "v": jax.random.normal(k[2], (300,), jnp.float32)}
+    tx = optax.adamw(1e-2)
+    opt = tx.init(params)
+    out = []
+    for t in range(STEPS):
+        g = jax.tree.map(lambda p, t=t: jnp.sin(p * (t + 1)), params)
+        updates, opt = tx.update(g, opt, params)
+        params = optax.apply_updates(params, updates)
+        saved = params
+        if t == 3:
+            saved = {**params, "v": params["v"].at[5].set(jnp.nan)}
+        out.append({"params": saved, "opt_state": opt})
+    return out
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    """The chain on disk and, per step, the reconstruction the saver held after that save."""
+    root = tmp_path_factory.mktemp("windows")
+    saver = ol.LossyCheckpointHandler(base_interval=STEPS)
+    mngr = ol.checkpoint_manager(root, handler=saver, max_to_keep=None)
+    held = {}
+    for step, state in enumerate(_states()):
+        mngr.save(step, args=ol.LossySave(state))
+        mngr.wait_until_finished()
+        reference = saver.reference_for("default")
+        held[step] = {path_str(p): None if v is None else np.array(np.asarray(v))
+                      for p, v in zip(reference.paths, reference.values, strict=True)}
+    mngr.close()
+    return root, held
+
+
+@pytest.mark.parametrize("window", ["budget", "link", "two", "default"])
+def test_every_step_restores_bitwise_with_any_window(chain, monkeypatch, assert_bitwise,
+                                                     window) -> None:
+    """Windows end at the newest link and hold ``W`` delta links each (the oldest window:
+    the base and the rest), ``W`` = ``MAX_WINDOW_LINKS`` unless the memory budget allows
+    fewer; every restored leaf is bit-identical to the saver's reconstruction."""
+    root, held = chain
+    calls: list[int] = []
+    real = device.decode_links
+
+    def counting(fields, sides, reference, **statics):
+        calls.append(len(fields))
+        return real(fields, sides, reference, **statics)
+
+    monkeypatch.setattr(device, "decode_links", counting)
+    size = {"budget": 1, "link": 1, "two": 2, "default": restoring.MAX_WINDOW_LINKS}[window]
+    if window == "budget":  # the fields of one link exceed the budget: one link per window
+        monkeypatch.setattr(restoring, "MIN_WINDOW_BYTES", 1)
+        monkeypatch.setattr(restoring, "WINDOW_FRACTION", 1e-9)
+    elif window != "default":
+        monkeypatch.setattr(restoring, "MAX_WINDOW_LINKS", size)
+    mngr = ol.checkpoint_manager(root, max_to_keep=None)
+    kinds = [read_manifest(root / str(s) / "default").header.save_type for s in range(STEPS)]
+    assert kinds == ["base"] + ["delta"] * (STEPS - 1)
+    for step in range(STEPS):
+        calls.clear()
+        restored = mngr.restore(step)
+        paths, leaves, _ = flatten(restored)
+        flat = {path_str(p): v for p, v in zip(paths, leaves, strict=True)}
+        for name, expected in held[step].items():
+            if expected is not None:
+                assert_bitwise(flat[name], expected, f"step {step} {name}")
+        oldest = 1 + step % size  # the base and the links that do not fill a window
+        assert max(calls) == (max(oldest, size) if step >= size else oldest), (step, calls)
+    manifest = read_manifest(root / "3" / "default")
+    v = next(leaf for leaf in manifest.leaves if leaf.name == "params/v")
+    assert not v.codec.needs_reference  # the NaN save stored it whole
+    mngr.close()
