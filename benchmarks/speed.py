@@ -20,6 +20,9 @@ Printed per size and config (medians; ratio = lossy / plain Orbax in the same ru
 * ``fresh restore``: the same restore as the first of a fresh process (a subprocess, as a
   job restarted after a failure restores: decode programs compiled and numba kernels loaded
   inside it; the Python imports and the target's construction are not timed);
+* ``fresh restore mf``: the same, with the manager created before the target is built (as a
+  training script creates its manager, then its state: the lossy handler's background
+  warm-up of numba's kernels overlaps the state's construction);
 * ``RSS save`` / ``RSS restore``: peak extra resident memory (sampled every ms) over the
   process's RSS before the call, during a delta save+commit and during the restore.
 
@@ -250,11 +253,17 @@ def fresh_child(config: str, size_mb: int, directory: str) -> None:
     print("RESULT " + json.dumps(out))
 
 
-def restore_child(config: str, size_mb: int, directory: str) -> None:
+def restore_child(config: str, size_mb: int, directory: str, manager_first: bool = False) -> None:
     """In a subprocess: restore the newest step of ``directory`` (a fresh process's first
-    restore, as after a failure: decode programs compiled, numba kernels loaded on the way)."""
-    target = make_state(size_mb * MB)
-    cfg = Config(config, directory, base_interval=10)
+    restore, as after a failure: decode programs compiled, numba kernels loaded on the way).
+    ``manager_first``: the manager is created before the target is built, as a training
+    script creates it before its state (the handler's background warm-up then overlaps it)."""
+    if manager_first:
+        cfg = Config(config, directory, base_interval=10)
+        target = make_state(size_mb * MB)
+    else:
+        target = make_state(size_mb * MB)
+        cfg = Config(config, directory, base_interval=10)
     step = cfg.mngr.latest_step()
     t0 = time.perf_counter()
     jax.block_until_ready(cfg.mngr.restore(step, args=cfg.restore_args(target)))
@@ -337,6 +346,8 @@ def run_size(size_mb: int, configs: list[str], root: str, restores: int,
             for cfg in (cfgs if rep % 2 == 0 else cfgs[::-1]):
                 add(cfg.name, "fresh restore",
                     child("restore", cfg.name, size_mb, cfg.directory)["restore"])
+                add(cfg.name, "fresh restore mf",
+                    child("restore-mf", cfg.name, size_mb, cfg.directory)["restore"])
         for cfg in cfgs:
             cfg.mngr = cfg.manager()
     # the first save after a restore (a delta against the restored step)
@@ -355,8 +366,8 @@ def run_size(size_mb: int, configs: list[str], root: str, restores: int,
 
 
 COLUMNS = ("block base", "block delta", "async_save", "fresh base", "fresh delta",
-           "after restore", "commit delta", "restore", "fresh restore", "rss save",
-           "rss restore")
+           "after restore", "commit delta", "restore", "fresh restore", "fresh restore mf",
+           "rss save", "rss restore")
 
 
 def report(size_mb: int, table: dict[str, dict[str, float]]) -> None:
@@ -364,36 +375,40 @@ def report(size_mb: int, table: dict[str, dict[str, float]]) -> None:
     Orbax's, in units of the state size; the target allows 1.0, one reference copy)."""
     plain = table["plain"]
     print(f"\n== {size_mb} MB float32 state (params + mu + nu) ==")
-    print(f"{'config':<10}" + "".join(f"{c:>15}" for c in COLUMNS))
+    print(f"{'config':<10}" + "".join(f"{c:>17}" for c in COLUMNS))
     for name, row in table.items():
         cells = []
         for c in COLUMNS:
             if c not in row:
-                cells.append(f"{'-':>15}")
+                cells.append(f"{'-':>17}")
             elif c.startswith("rss"):
-                cells.append(f"{row[c] / MB:>12.0f} MB")
+                cells.append(f"{row[c] / MB:>14.0f} MB")
             else:
-                cells.append(f"{row[c] * 1e3:>12.0f} ms")
+                cells.append(f"{row[c] * 1e3:>14.0f} ms")
         print(f"{name:<10}" + "".join(cells))
         if name != "plain":
             ratios = []
             for c in COLUMNS:
                 if c.startswith("rss") and c in row and c in plain:
                     excess = (row[c] - plain[c]) / (size_mb * MB)
-                    ratios.append(f"{excess:>+10.2f} state")
+                    ratios.append(f"{excess:>+12.2f} state")
                 elif c == "async_save" and c in row:
-                    ratios.append(f"{row[c] / plain['block delta']:>14.2f}x")
+                    ratios.append(f"{row[c] / plain['block delta']:>16.2f}x")
                 elif c in row and c in plain and plain[c] > 0:
-                    ratios.append(f"{row[c] / plain[c]:>14.2f}x")
+                    ratios.append(f"{row[c] / plain[c]:>16.2f}x")
                 else:
-                    ratios.append(f"{'-':>15}")
+                    ratios.append(f"{'-':>17}")
             print(f"{'  / plain':<10}" + "".join(ratios))
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] in ("--fresh-child", "--restore-child"):
-        run = fresh_child if sys.argv[1] == "--fresh-child" else restore_child
-        run(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    if len(sys.argv) > 1 and sys.argv[1] in ("--fresh-child", "--restore-child",
+                                             "--restore-mf-child"):
+        if sys.argv[1] == "--fresh-child":
+            fresh_child(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        else:
+            restore_child(sys.argv[2], int(sys.argv[3]), sys.argv[4],
+                          manager_first=sys.argv[1] == "--restore-mf-child")
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="64,256", help="state sizes in MB (1024 = 1 GB)")

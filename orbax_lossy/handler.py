@@ -35,6 +35,7 @@ from orbax_lossy.engine.reference import (
     choose_reference,
     restored_reference,
 )
+from orbax_lossy.entropy import warmup
 from orbax_lossy.format import lock as writer_lock
 from orbax_lossy.format.manifest import DEFAULT_CHUNK_BYTES, read_manifest
 from orbax_lossy.format.steps import abspath, final_path
@@ -91,6 +92,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._store = ReferenceStore()  # one chain per item name
         self.last_restore_bytes_read = 0
         self._last_save_stats: dict[str, Any] = {}
+        warmup.start()  # numba's kernels load while the job builds its state
 
     @classmethod
     def typestr(cls) -> str:

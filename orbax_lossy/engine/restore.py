@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from orbax_lossy.codecs.base import work_dtype
-from orbax_lossy.engine import device, reading
+from orbax_lossy.engine import device, precompile, reading
 from orbax_lossy.errors import ChainError, FormatError, InvalidArgumentError, LossyError
 from orbax_lossy.format import payload
 from orbax_lossy.format.chain import walk_chain
@@ -369,6 +369,58 @@ def _read_link(
     return out
 
 
+def _program_key(codecs: Sequence[Any], sides: Sequence[dict[str, Any]], leaf: LeafEntry,
+                 sharding: jax.sharding.Sharding, referenced: bool) -> tuple:
+    """What tells one leaf's decode program of a window from another (its compiled program
+    is the same for the same key)."""
+    return (tuple(codecs), leaf.dtype, leaf.shape, sharding, referenced,
+            tuple(tuple((k, tuple(v.shape), np.dtype(v.dtype)) for k, v in side.items())
+                  for side in sides))
+
+
+def _from_last_whole(items: list, codecs: list) -> tuple[list, bool]:
+    """``items`` from the last one whose codec stores the leaf whole (the links before it
+    are not needed), and whether the first kept one needs a reference."""
+    whole = [j for j, c in enumerate(codecs) if not c.needs_reference]
+    if whole:
+        return items[whole[-1]:], False
+    return items, True
+
+
+def _precompile(links: Sequence[_Link], windows: Sequence[range], chosen: Sequence[LeafEntry],
+                targets: Sequence[Any]) -> None:
+    """Submit the decode programs of every window and device leaf this process has not
+    compiled yet (:mod:`~orbax_lossy.engine.precompile`), in the order they will run."""
+    for window in windows:
+        for k, leaf in enumerate(chosen):
+            if leaf.storage != "device":
+                continue
+            stored = [links[n].entries[k] for n in window if links[n].active[k]]
+            entries, referenced = _from_last_whole(stored, [e.codec for e in stored])
+            if not entries:
+                continue
+            codecs = tuple(e.codec for e in entries)
+            sharding = reading.target_sharding(targets[k])
+            sides = [dict(e.side) for e in entries]
+            key = _program_key(codecs, sides, leaf, sharding, referenced)
+
+            def compile_program(codecs=codecs, sides=sides, leaf=leaf, sharding=sharding,
+                                referenced=referenced) -> object:
+                def spec(shape, dtype, on=None):
+                    return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=on)
+
+                fields = tuple({name: spec(leaf.shape, dtype, sharding) for name, dtype in
+                                codec.field_dtypes(leaf.dtype).items()} for codec in codecs)
+                side_specs = tuple({name: spec(v.shape, v.dtype) for name, v in side.items()}
+                                   for side in sides)
+                reference = spec(leaf.shape, leaf.dtype, sharding) if referenced else None
+                return device.decode_links.lower(
+                    fields, side_specs, reference, plans=codecs, dtype=leaf.dtype,
+                    sharding=sharding).compile()
+
+            precompile.submit(key, compile_program)
+
+
 def _decode_window(
     window: list[list[_LeafRead | None]], entries: list[LeafEntry], targets: list[Any],
     values: list[Any],
@@ -380,22 +432,23 @@ def _decode_window(
         reads = [r[k] for r in window if r[k] is not None]
         if not reads:
             continue
-        first = next((j for j, r in enumerate(reads) if not r.codec.needs_reference), None)
+        reads, referenced = _from_last_whole(reads, [r.codec for r in reads])
         reference = None
-        if first is not None:  # a link that stores the leaf whole: earlier ones are not needed
-            reads = reads[first:]
-        else:
+        if referenced:
             reference = values[k]
             if reference is None:
                 raise ChainError(f"{reads[0].where}: a delta leaf has no reference (chain "
                                  "starts here)")
         where = reads[-1].where if len(reads) == 1 else (
             f"{reads[0].where} (decoding it with the {len(reads) - 1} links after it)")
+        codecs = tuple(r.codec for r in reads)
+        sides = tuple(r.side for r in reads)
+        sharding = reading.target_sharding(targets[k])
+        precompile.wait(_program_key(codecs, sides, leaf, sharding, referenced))
         with stored_data(where):
             values[k] = device.decode_links(
-                tuple(r.fields for r in reads), tuple(r.side for r in reads), reference,
-                plans=tuple(r.codec for r in reads), dtype=leaf.dtype,
-                sharding=reading.target_sharding(targets[k]))
+                tuple(r.fields for r in reads), sides, reference, plans=codecs,
+                dtype=leaf.dtype, sharding=sharding)
 
 
 #: a restore decodes a chain's links in windows of consecutive links (see
@@ -430,6 +483,14 @@ def _window_links(links: Sequence[_Link]) -> int:
     return max(1, min(MAX_WINDOW_LINKS, budget // max(largest, 1)))
 
 
+def _windows(count: int, size: int) -> list[range]:
+    """Link positions ``0 .. count - 1`` cut into windows of ``size`` that end at the newest
+    link; the oldest window (with the base) holds the rest. So a chain of any length decodes
+    with the programs of windows of ``size`` links and one more."""
+    first = (count - 1) % size + 1 if count else 0
+    return [range(0, first)] + [range(s, s + size) for s in range(first, count, size)]
+
+
 def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
                  partial: bool = True, loose: Collection[str] = ()) -> RestoredItem:
     """Restore one item directory onto ``target`` (a tree, or None for nested dicts); with
@@ -460,24 +521,23 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
         if any(active):
             links.append(_Link(link_dir, manifest, entries, active,
                                payload.PayloadReader(link_dir, root)))
-    # windows end at the newest link and hold `size` links each, the oldest one the rest
-    # (with the base): a chain of any length decodes with the same programs but one
-    window: list[list[_LeafRead | None]] = []
-    size = _window_links(links)
-    for n, link in enumerate(links):
-        if n == 0:
-            _start_link(link, targets, threads)
-        if n + 1 < len(links):  # the next link's pieces decode while this one finishes
-            _start_link(links[n + 1], targets, threads)
-        try:
-            window.append(_read_link(link, targets, values, threads))
-        finally:
-            link.started.clear()
-            link.reader.close()
-        bytes_read += link.reader.bytes_read
-        if (len(links) - 1 - n) % size == 0:
-            _decode_window(window, chosen, targets, values)
-            window = []
+    windows = _windows(len(links), _window_links(links))
+    _precompile(links, windows, chosen, targets)
+    for window in windows:
+        reads = []
+        for n in window:
+            link = links[n]
+            if n == 0:
+                _start_link(link, targets, threads)
+            if n + 1 < len(links):  # the next link's pieces decode while this one finishes
+                _start_link(links[n + 1], targets, threads)
+            try:
+                reads.append(_read_link(link, targets, values, threads))
+            finally:
+                link.started.clear()
+                link.reader.close()
+            bytes_read += link.reader.bytes_read
+        _decode_window(reads, chosen, targets, values)
     out = []
     final_dir = chain[-1][0]
     for k, leaf in enumerate(chosen):

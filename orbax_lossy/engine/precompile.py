@@ -1,0 +1,55 @@
+"""Compiling a restore's decode programs ahead of their first call, on a background thread.
+
+A new process's first restore compiles every decode program it needs (one per class of leaf
+and window plan, :func:`device.decode_links`); each took 40-60 ms on XLA:CPU, and called
+from the restoring thread they ran one after another, between the reads of the windows (5
+programs, 233 ms of a 64 MB 9-delta restore). As soon as a restore knows its chain, it
+submits the programs it has not compiled yet (:func:`submit`) from abstract arguments
+(``jax.jit(...).lower(...).compile()``), to one worker, so compiling overlaps reading and
+entropy decoding; the restoring thread waits for a program (:func:`wait`) just before it calls
+it, and the call finds XLA's compiled executable in JAX's cache.
+
+A program that fails to compile ahead is compiled (and its error raised) by the real call.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+#: at most this many signatures are remembered (the oldest are forgotten, as compiled
+#: programs: the real call then looks up JAX's own cache)
+MAX_REMEMBERED = 4096
+
+_LOCK = threading.Lock()
+_SUBMITTED: OrderedDict[Hashable, concurrent.futures.Future] = OrderedDict()
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="orbax_lossy_compile")
+    return _POOL
+
+
+def submit(key: Hashable, compile_program: Callable[[], object]) -> None:
+    """Compile ``compile_program()`` on the background worker, once per ``key`` per process."""
+    with _LOCK:
+        if key in _SUBMITTED:
+            _SUBMITTED.move_to_end(key)
+            return
+        _SUBMITTED[key] = _pool().submit(compile_program)
+        while len(_SUBMITTED) > MAX_REMEMBERED:
+            _SUBMITTED.popitem(last=False)
+
+
+def wait(key: Hashable) -> None:
+    """Wait until the program of ``key`` (if submitted) is compiled; its failure is ignored
+    (the real call compiles it again and raises)."""
+    with _LOCK:
+        future = _SUBMITTED.get(key)
+    if future is not None:
+        concurrent.futures.wait([future])
