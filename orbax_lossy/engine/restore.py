@@ -14,7 +14,7 @@ import functools
 import math
 import os
 from collections.abc import Collection, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ from orbax_lossy.format.manifest import HOST_STORAGES, LeafEntry, Manifest
 from orbax_lossy.format.steps import abspath, root_of
 from orbax_lossy.treepaths import StoredPath, build_nested, empty_value, flatten, path_str
 
+T = TypeVar("T")
 PLACEHOLDER = ...  # ocp.PLACEHOLDER: a target leaf that is not restored
 
 #: what decoding damaged (but checksum-valid or CRC-recomputed) data can raise besides our
@@ -378,7 +379,7 @@ def _program_key(codecs: Sequence[Any], sides: Sequence[dict[str, Any]], leaf: L
                   for side in sides))
 
 
-def _from_last_whole(items: list, codecs: list) -> tuple[list, bool]:
+def _from_last_whole(items: list[T], codecs: list[Any]) -> tuple[list[T], bool]:
     """``items`` from the last one whose codec stores the leaf whole (the links before it
     are not needed), and whether the first kept one needs a reference."""
     whole = [j for j, c in enumerate(codecs) if not c.needs_reference]
@@ -429,10 +430,10 @@ def _decode_window(
     that applies the window's links in chain order (:func:`device.decode_links`), so the leaf
     is read and written once per window, not once per link."""
     for k, leaf in enumerate(entries):
-        reads = [r[k] for r in window if r[k] is not None]
-        if not reads:
+        stored: list[_LeafRead] = [r for link in window if (r := link[k]) is not None]
+        if not stored:
             continue
-        reads, referenced = _from_last_whole(reads, [r.codec for r in reads])
+        reads, referenced = _from_last_whole(stored, [r.codec for r in stored])
         reference = None
         if referenced:
             reference = values[k]
