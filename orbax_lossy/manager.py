@@ -8,16 +8,19 @@ step a kept step depends on (:class:`~orbax_lossy.ChainPreservationPolicy`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
 import orbax.checkpoint as ocp
 
+from orbax_lossy.entropy import warmup
 from orbax_lossy.errors import InvalidArgumentError
-from orbax_lossy.format.steps import is_remote
+from orbax_lossy.format.steps import is_remote, listdir, step_directories
 from orbax_lossy.handler import LossyCheckpointHandler, LossyRestore, LossySave
 from orbax_lossy.policy import Policy
 from orbax_lossy.retention import (
@@ -218,4 +221,44 @@ def checkpoint_manager(
     registry, lossy = handler_registry(handler, items)
     options = chain_options(options, directory, lossy)
     options = object_store_options(options, directory)
-    return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
+    manager = ocp.CheckpointManager(directory, options=options, handler_registry=registry)
+    compile_latest_ahead(directory)
+    return manager
+
+
+def _compile_latest(directory: str) -> None:
+    from orbax_lossy.engine import restore
+
+    steps = step_directories(directory)
+    if not steps:
+        return
+    step_dir = steps[max(steps)]
+    for name in sorted(listdir(step_dir)):
+        item_dir = os.path.join(step_dir, name)
+        if os.path.isfile(os.path.join(item_dir, "manifest.msgpack")):
+            with contextlib.suppress(Exception):  # the restore itself reports a bad chain
+                restore.compile_ahead(item_dir)
+
+
+def _backends_ready() -> bool:
+    """Whether JAX's backends exist already (Orbax's manager creates them): compiling must
+    never be what initialises them, which ``jax.distributed.initialize`` has to precede."""
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except Exception:  # another JAX: do not guess
+        return False
+
+
+def compile_latest_ahead(directory: str | os.PathLike) -> None:
+    """Start compiling, on a daemon thread, the decode programs a restore of the newest step
+    under ``directory`` will need (onto the saved shardings, or the default device): a job
+    restarted after a failure creates its manager, builds its state, then restores, and the
+    programs compile while the state is built. Local directories only; off with
+    ``ORBAX_LOSSY_WARMUP=0`` (as the handler's numba warm-up)."""
+    directory = os.fspath(directory)
+    if os.environ.get(warmup.ENV, "1") == "0" or is_remote(directory) or not _backends_ready():
+        return
+    threading.Thread(target=_compile_latest, args=(directory,), daemon=True,
+                     name="orbax_lossy_compile_ahead").start()

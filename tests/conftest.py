@@ -27,6 +27,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+# The background warm-up (numba's kernels at a handler's creation, decode programs at a
+# manager's) pays off when a job builds its state before restoring; a test restores at once,
+# and the threads of hundreds of managers only compete with the tests' own work. Off for
+# the session and its subprocesses; tests/test_restore_warm.py turns it on where it tests it.
+os.environ.setdefault("ORBAX_LOSSY_WARMUP", "0")
+
 
 def _bits(x) -> np.ndarray:
     """The raw bit pattern of an array (PRNG keys as their key data)."""

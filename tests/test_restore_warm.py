@@ -11,7 +11,8 @@ import pytest
 from orbax_lossy.entropy import warmup
 
 _FIRST_RESTORE = r"""
-import json, sys, threading
+import json, os, sys, threading
+os.environ["ORBAX_LOSSY_WARMUP"] = "0"  # the restore's own compiling ahead, not the manager's
 import jax, jax.numpy as jnp
 jax.config.update("jax_enable_compilation_cache", False)  # every program really compiles
 import orbax_lossy as ol
@@ -54,7 +55,9 @@ def test_first_restore_compiles_its_programs_on_the_compile_workers(tmp_path,
     assert out["again"] == [] and out["same"], out
 
 
-def test_warmup_round_trips_every_stream_mode_once_per_process() -> None:
+def test_warmup_round_trips_every_stream_mode_once_per_process(monkeypatch) -> None:
+    monkeypatch.setenv(warmup.ENV, "1")  # the test session turns it off
+    monkeypatch.setattr(warmup, "_DONE", None)  # as in a new process
     done = warmup.start()
     assert done.result(timeout=300) is None
     assert warmup.start() is done  # once per process
@@ -62,16 +65,84 @@ def test_warmup_round_trips_every_stream_mode_once_per_process() -> None:
 
 
 _OFF = r"""
-import os, threading
+import os, sys, threading
 os.environ["ORBAX_LOSSY_WARMUP"] = "0"
+import jax.numpy as jnp
 import orbax_lossy as ol
 from orbax_lossy.entropy import warmup
-ol.LossyCheckpointHandler()
+mngr = ol.checkpoint_manager(sys.argv[1])
+mngr.save(0, args=ol.LossySave({"w": jnp.ones((8, 8))}))
+mngr.wait_until_finished()
+ol.checkpoint_manager(sys.argv[1])  # a directory with a checkpoint: nothing compiles ahead
 assert warmup.start().done()
-assert not any(t.name == "orbax_lossy_warmup" for t in threading.enumerate())
+names = {t.name for t in threading.enumerate()}
+assert "orbax_lossy_warmup" not in names and "orbax_lossy_compile_ahead" not in names, names
 print("ok")
 """
 
 
-def test_warmup_can_be_turned_off(run_cpu_script) -> None:
-    assert run_cpu_script(["-c", _OFF]).strip().splitlines()[-1] == "ok"
+def test_warmup_can_be_turned_off(tmp_path, run_cpu_script) -> None:
+    assert run_cpu_script(["-c", _OFF, str(tmp_path)]).strip().splitlines()[-1] == "ok"
+
+
+_SAVE = r"""
+import sys
+import jax, jax.numpy as jnp, numpy as np
+import orbax_lossy as ol
+from orbax_lossy.treepaths import path_str
+root = sys.argv[1]
+handler = ol.LossyCheckpointHandler()
+mngr = ol.checkpoint_manager(root, handler=handler, max_to_keep=None)
+state = {"params": {"w": jnp.linspace(-1, 1, 64 * 32).reshape(64, 32), "b": jnp.ones((32,))},
+         "opt_state": {"mu": {"w": jnp.zeros((64, 32)), "b": jnp.zeros((32,))}}}
+for step in range(7):
+    state = jax.tree.map(lambda x, s=step: x * 1.01 + 0.001 * (s + 1), state)
+    mngr.save(step, args=ol.LossySave(state))
+    mngr.wait_until_finished()
+ref = handler.reference_for("default")
+np.savez(sys.argv[2], **{path_str(p): np.asarray(v) for p, v in zip(ref.paths, ref.values)})
+mngr.close()
+"""
+
+_RESTART = r"""
+import json, os, sys, threading
+os.environ["ORBAX_LOSSY_WARMUP"] = "1"  # the test session turns it off
+import jax, numpy as np
+jax.config.update("jax_enable_compilation_cache", False)
+import orbax_lossy as ol
+from orbax_lossy.engine import precompile
+from orbax_lossy.treepaths import flatten, path_str
+compiled_on = []
+def listener(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+        compiled_on.append(threading.current_thread().name)
+jax.monitoring.register_event_duration_secs_listener(listener)
+mngr = ol.checkpoint_manager(sys.argv[1], max_to_keep=None)
+for t in threading.enumerate():  # the job would build its state meanwhile
+    if t.name == "orbax_lossy_compile_ahead":
+        t.join()
+ahead = len(precompile._SUBMITTED)
+for future in list(precompile._SUBMITTED.values()):
+    future.result()
+before = len(compiled_on)
+restored = mngr.restore(mngr.latest_step())
+during = compiled_on[before:]
+held = np.load(sys.argv[2])
+paths, leaves, _ = flatten(restored)
+same = all(np.asarray(v).tobytes() == held[path_str(p)].tobytes()
+           for p, v in zip(paths, leaves) if path_str(p) in held.files)
+print(json.dumps({"ahead": ahead, "during": during, "same": same}))
+"""
+
+
+@pytest.mark.slow
+def test_a_new_manager_compiles_the_newest_steps_programs_before_the_restore(
+        tmp_path, run_cpu_script) -> None:
+    """Creating the manager of a directory with checkpoints compiles, in the background, the
+    decode programs of its newest step; the restore then compiles nothing and returns the
+    saver's reconstruction bit for bit."""
+    held = str(tmp_path / "held.npz")
+    run_cpu_script(["-c", _SAVE, str(tmp_path / "ckpt"), held])
+    out = json.loads(run_cpu_script(["-c", _RESTART, str(tmp_path / "ckpt"), held])
+                     .strip().splitlines()[-1])
+    assert out["ahead"] >= 2 and out["during"] == [] and out["same"], out

@@ -388,7 +388,7 @@ def _from_last_whole(items: list[T], codecs: list[Any]) -> tuple[list[T], bool]:
     return items, True
 
 
-def _precompile(links: Sequence[_Link], windows: Sequence[range], chosen: Sequence[LeafEntry],
+def _precompile(links: Sequence[Any], windows: Sequence[range], chosen: Sequence[LeafEntry],
                 targets: Sequence[Any]) -> None:
     """Submit the decode programs of every window and device leaf this process has not
     compiled yet (:mod:`~orbax_lossy.engine.precompile`), in the order they will run."""
@@ -464,7 +464,7 @@ WINDOW_FRACTION = 0.75
 MIN_WINDOW_BYTES = 16 << 20
 
 
-def _window_links(links: Sequence[_Link]) -> int:
+def _window_links(links: Sequence[Any]) -> int:
     """How many delta links a window holds: as many as fit the budget, by the largest
     link's device fields that need a reference (1 to :data:`MAX_WINDOW_LINKS`)."""
     state, largest = 0, 0
@@ -490,6 +490,32 @@ def _windows(count: int, size: int) -> list[range]:
     with the programs of windows of ``size`` links and one more."""
     first = (count - 1) % size + 1 if count else 0
     return [range(0, first)] + [range(s, s + size) for s in range(first, count, size)]
+
+
+@dataclasses.dataclass
+class _LinkPlan:
+    """The entries of one chain link and which of them a restore reads (no files)."""
+
+    entries: list[LeafEntry]
+    active: list[bool]
+
+
+def compile_ahead(item_dir: os.PathLike | str) -> None:
+    """Submit the decode programs that restoring every leaf of ``item_dir`` onto its saved
+    shardings (else the default device) will call, to the compile workers
+    (:mod:`~orbax_lossy.engine.precompile`); reads the chain's manifests only. Raises what
+    reading them raises (the caller ignores it: the restore itself reports it)."""
+    chain = walk_chain(abspath(item_dir))
+    chosen = list(chain[-1][1].leaves)
+    targets = [reading.with_saved_sharding(None, leaf) for leaf in chosen]
+    per_link = _link_leaves(chain, chosen, frozenset(leaf.name for leaf in chosen))
+    starts = _first_needed_links(per_link, len(chosen))
+    plans = []
+    for position, entries in enumerate(per_link):
+        active = [position >= start for start in starts]
+        if any(active):
+            plans.append(_LinkPlan(entries, active))
+    _precompile(plans, _windows(len(plans), _window_links(plans)), chosen, targets)
 
 
 def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
