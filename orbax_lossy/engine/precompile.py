@@ -53,3 +53,9 @@ def wait(key: Hashable) -> None:
         future = _SUBMITTED.get(key)
     if future is not None:
         concurrent.futures.wait([future])
+
+
+def submitted() -> bool:
+    """Whether this process has submitted any program (it has restored before)."""
+    with _LOCK:
+        return bool(_SUBMITTED)
