@@ -149,3 +149,32 @@ def test_a_new_manager_compiles_the_newest_steps_programs_before_the_restore(
                      .strip().splitlines()[-1])
     assert out["ahead"] >= 2 and out["during"] == [] and out["same"], out
     assert not out["again"], out  # once per process, before its first restore
+
+
+def test_a_restore_cancels_speculative_programs_it_does_not_need(monkeypatch) -> None:
+    """Programs compiled ahead for the saved shardings never queue in front of a restore onto
+    other shardings: the restore cancels the ones that have not started."""
+    import collections
+    import concurrent.futures
+    import threading
+
+    from orbax_lossy.engine import precompile
+
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    monkeypatch.setattr(precompile, "_POOL", pool)
+    monkeypatch.setattr(precompile, "_SUBMITTED", collections.OrderedDict())
+    monkeypatch.setattr(precompile, "_SPECULATIVE", set())
+    release = threading.Event()
+    ran: list[str] = []
+    for name in ("busy-0", "busy-1"):  # both workers held
+        precompile.submit(name, lambda n=name: (release.wait(30), ran.append(n)))
+    for name in ("saved-a", "saved-b"):
+        precompile.submit(name, lambda n=name: ran.append(n), speculative=True)
+    precompile.keep_only({"saved-a", "other"})  # the restore needs saved-a, not saved-b
+    precompile.submit("other", lambda: ran.append("other"))
+    release.set()
+    for key in ("busy-0", "busy-1", "saved-a", "saved-b", "other"):
+        precompile.wait(key)
+    pool.shutdown(wait=True)
+    assert sorted(ran) == ["busy-0", "busy-1", "other", "saved-a"], ran
+    assert "saved-b" not in precompile._SUBMITTED and not precompile._SPECULATIVE

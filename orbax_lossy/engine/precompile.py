@@ -25,6 +25,7 @@ MAX_REMEMBERED = 4096
 
 _LOCK = threading.Lock()
 _SUBMITTED: OrderedDict[Hashable, concurrent.futures.Future] = OrderedDict()
+_SPECULATIVE: set[Hashable] = set()  # keys of _SUBMITTED no restore has asked for yet
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 
 
@@ -35,15 +36,33 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     return _POOL
 
 
-def submit(key: Hashable, compile_program: Callable[[], object]) -> None:
-    """Compile ``compile_program()`` on the background worker, once per ``key`` per process."""
+def submit(key: Hashable, compile_program: Callable[[], object],
+           speculative: bool = False) -> None:
+    """Compile ``compile_program()`` on the background workers, once per ``key`` per process.
+
+    ``speculative``: submitted before any restore asked for it (a manager's compiling
+    ahead); a restore that needs other programs cancels those not started yet
+    (:func:`keep_only`), so they never queue in front of its own."""
     with _LOCK:
         if key in _SUBMITTED:
             _SUBMITTED.move_to_end(key)
             return
         _SUBMITTED[key] = _pool().submit(compile_program)
+        if speculative:
+            _SPECULATIVE.add(key)
         while len(_SUBMITTED) > MAX_REMEMBERED:
-            _SUBMITTED.popitem(last=False)
+            _SPECULATIVE.discard(_SUBMITTED.popitem(last=False)[0])
+
+
+def keep_only(keys: set[Hashable]) -> None:
+    """Cancel the speculative programs outside ``keys`` that have not started compiling
+    (they are forgotten, so a later restore that needs one submits it again)."""
+    with _LOCK:
+        for key in [k for k in _SPECULATIVE if k not in keys]:
+            if _SUBMITTED[key].cancel():
+                del _SUBMITTED[key]
+            _SPECULATIVE.discard(key)
+        _SPECULATIVE.difference_update(keys)
 
 
 def wait(key: Hashable) -> None:

@@ -389,9 +389,12 @@ def _from_last_whole(items: list[T], codecs: list[Any]) -> tuple[list[T], bool]:
 
 
 def _precompile(links: Sequence[Any], windows: Sequence[range], chosen: Sequence[LeafEntry],
-                targets: Sequence[Any]) -> None:
+                targets: Sequence[Any], speculative: bool = False) -> None:
     """Submit the decode programs of every window and device leaf this process has not
-    compiled yet (:mod:`~orbax_lossy.engine.precompile`), in the order they will run."""
+    compiled yet (:mod:`~orbax_lossy.engine.precompile`), in the order they will run; a
+    restore's own call (not ``speculative``) first cancels speculative programs it does not
+    need and that have not started."""
+    keys: list[tuple[tuple, Any]] = []
     for window in windows:
         for k, leaf in enumerate(chosen):
             if leaf.storage != "device":
@@ -419,7 +422,11 @@ def _precompile(links: Sequence[Any], windows: Sequence[range], chosen: Sequence
                     fields, side_specs, reference, plans=codecs, dtype=leaf.dtype,
                     sharding=sharding).compile()
 
-            precompile.submit(key, compile_program)
+            keys.append((key, compile_program))
+    if not speculative:
+        precompile.keep_only({key for key, _ in keys})
+    for key, compile_program in keys:
+        precompile.submit(key, compile_program, speculative)
 
 
 def _decode_window(
@@ -515,7 +522,8 @@ def compile_ahead(item_dir: os.PathLike | str) -> None:
         active = [position >= start for start in starts]
         if any(active):
             plans.append(_LinkPlan(entries, active))
-    _precompile(plans, _windows(len(plans), _window_links(plans)), chosen, targets)
+    _precompile(plans, _windows(len(plans), _window_links(plans)), chosen, targets,
+                speculative=True)
 
 
 def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
