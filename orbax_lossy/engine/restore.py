@@ -467,13 +467,16 @@ MAX_WINDOW_LINKS = 4
 #: fields of a window, and of the link read ahead, stay within the one reference copy the
 #: memory bound allows beyond plain Orbax) ...
 WINDOW_FRACTION = 0.75
-#: ... or this many bytes, where that is more (small states take MAX_WINDOW_LINKS)
-MIN_WINDOW_BYTES = 16 << 20
+#: restored states below this many device bytes decode link by link: fusing saves them
+#: little, and every chain length would compile another program for its oldest window (a
+#: process restoring the 7 steps of a small chain compiled 23 programs fused, 8 link by link)
+FUSE_MIN_BYTES = 32 << 20
 
 
 def _window_links(links: Sequence[Any]) -> int:
     """How many delta links a window holds: as many as fit the budget, by the largest
-    link's device fields that need a reference (1 to :data:`MAX_WINDOW_LINKS`)."""
+    link's device fields that need a reference (1 to :data:`MAX_WINDOW_LINKS`; 1 below
+    :data:`FUSE_MIN_BYTES`)."""
     state, largest = 0, 0
     for n, link in enumerate(links):
         fields = 0
@@ -487,8 +490,9 @@ def _window_links(links: Sequence[Any]) -> int:
                 fields += elements * sum(
                     d.itemsize for d in leaf.codec.field_dtypes(leaf.dtype).values())
         largest = max(largest, fields)
-    budget = max(int(state * WINDOW_FRACTION), MIN_WINDOW_BYTES)
-    return max(1, min(MAX_WINDOW_LINKS, budget // max(largest, 1)))
+    if state < FUSE_MIN_BYTES:
+        return 1
+    return max(1, min(MAX_WINDOW_LINKS, int(state * WINDOW_FRACTION) // max(largest, 1)))
 
 
 def _windows(count: int, size: int) -> list[range]:
