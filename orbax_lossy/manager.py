@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 
 from orbax_lossy.entropy import warmup
 from orbax_lossy.errors import InvalidArgumentError
+from orbax_lossy.format.schema import MANIFEST_NAME
 from orbax_lossy.format.steps import is_remote, listdir, step_directories
 from orbax_lossy.handler import LossyCheckpointHandler, LossyRestore, LossySave
 from orbax_lossy.policy import Policy
@@ -235,7 +236,7 @@ def _compile_latest(directory: str) -> None:
     step_dir = steps[max(steps)]
     for name in sorted(listdir(step_dir)):
         item_dir = os.path.join(step_dir, name)
-        if os.path.isfile(os.path.join(item_dir, "manifest.msgpack")):
+        if os.path.isfile(os.path.join(item_dir, MANIFEST_NAME)):
             with contextlib.suppress(Exception):  # the restore itself reports a bad chain
                 restore.compile_ahead(item_dir)
 

@@ -236,6 +236,18 @@ def _first_needed_links(per_link: list[list[LeafEntry]], n: int) -> list[int]:
     return starts
 
 
+def _needed_links(per_link: list[list[LeafEntry]], n: int) -> list[tuple[int, list[bool]]]:
+    """Per chain link a restore reads: its position and which selected leaves it decodes
+    (those stored whole in it or in an earlier link since their last whole copy)."""
+    starts = _first_needed_links(per_link, n)
+    out = []
+    for position in range(len(per_link)):
+        active = [position >= start for start in starts]
+        if any(active):
+            out.append((position, active))
+    return out
+
+
 def _match_targets(
     item_dir: str, manifest: Manifest, target: Any
 ) -> tuple[list[int | None], list[Any], Any]:
@@ -469,7 +481,7 @@ MAX_WINDOW_LINKS = 4
 WINDOW_FRACTION = 0.75
 #: restored states below this many device bytes decode link by link: fusing saves them
 #: little, and every chain length would compile another program for its oldest window (a
-#: process restoring the 7 steps of a small chain compiled 23 programs fused, 8 link by link)
+#: process restoring the 7 steps of a small chain compiled 23 programs fused, 11 link by link)
 FUSE_MIN_BYTES = 32 << 20
 
 
@@ -519,13 +531,10 @@ def compile_ahead(item_dir: os.PathLike | str) -> None:
     chain = walk_chain(abspath(item_dir))
     chosen = list(chain[-1][1].leaves)
     targets = [reading.with_saved_sharding(None, leaf) for leaf in chosen]
+    # every name loose: the restore itself checks that the links store the same leaves
     per_link = _link_leaves(chain, chosen, frozenset(leaf.name for leaf in chosen))
-    starts = _first_needed_links(per_link, len(chosen))
-    plans = []
-    for position, entries in enumerate(per_link):
-        active = [position >= start for start in starts]
-        if any(active):
-            plans.append(_LinkPlan(entries, active))
+    plans = [_LinkPlan(per_link[position], active)
+             for position, active in _needed_links(per_link, len(chosen))]
     _precompile(plans, _windows(len(plans), _window_links(plans)), chosen, targets,
                 speculative=True)
 
@@ -549,17 +558,14 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
         strict=True)]
     _check_budget(item_dir, final, chosen, targets)
     per_link = _link_leaves(chain, chosen, frozenset(loose))
-    starts = _first_needed_links(per_link, len(chosen))
     values: list[Any] = [None] * len(chosen)
     bytes_read = 0
     root = root_of(item_dir)
     links = []
-    for position, ((link_dir, manifest), entries) in enumerate(zip(chain, per_link,
-                                                                  strict=True)):
-        active = [position >= start for start in starts]
-        if any(active):
-            links.append(_Link(link_dir, manifest, entries, active,
-                               payload.PayloadReader(link_dir, root)))
+    for position, active in _needed_links(per_link, len(chosen)):
+        link_dir, manifest = chain[position]
+        links.append(_Link(link_dir, manifest, per_link[position], active,
+                           payload.PayloadReader(link_dir, root)))
     windows = _windows(len(links), _window_links(links))
     _precompile(links, windows, chosen, targets)
     for window in windows:
