@@ -36,7 +36,7 @@ from numba import njit
 from numpy.typing import DTypeLike
 
 from orbax_lossy.entropy import decode_symbols, encode_symbols
-from orbax_lossy.entropy.stream import decode_into
+from orbax_lossy.entropy.stream import aligned_empty, decode_into
 from orbax_lossy.entropy.varint import encode_uvarint, read_uvarint
 from orbax_lossy.errors import CodecError, FormatError, TruncatedError
 
@@ -160,7 +160,9 @@ def from_planes(planes: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> 
         if _is_float(dtype):
             words = (words >> np.uint8(1)) | (words << np.uint8(7))
         return words.view(native).reshape(shape)
-    words = np.empty(planes.shape[1], np.dtype(f"u{width}"))
+    # aligned, so that a restore uploads the decoded leaf without a copy (XLA:CPU aliases
+    # host arrays on a 64-byte boundary; numpy's start 16 bytes into a block)
+    words = aligned_empty(planes.shape[1], np.dtype(f"u{width}"))
     _join_kernel(width, _is_float(dtype))(np.ascontiguousarray(planes), words)
     return words.view(native).reshape(shape)
 
@@ -253,7 +255,8 @@ def _from_words(words: memoryview, dims: tuple[int, ...], dt: np.dtype) -> np.nd
         err = TruncatedError if len(words) < need else FormatError
         raise err(f"lossless words: {len(words)} bytes for {math.prod(dims)} elements of {dt}")
     little = dt.newbyteorder("<") if dt.byteorder == ">" else dt
-    out = np.frombuffer(words, little).reshape(dims).copy()
+    out = aligned_empty(dims, little)
+    out[...] = np.frombuffer(words, little).reshape(dims)
     if dt.kind == "b" and np.any(out.view(np.uint8) > 1):
         raise FormatError("bool array holds bytes other than 0 and 1")
     return out.astype(dt) if out.dtype != dt else out
