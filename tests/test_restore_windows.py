@@ -99,3 +99,51 @@ def test_every_step_restores_bitwise_with_any_window(chain, monkeypatch, assert_
     v = next(leaf for leaf in manifest.leaves if leaf.name == "params/v")
     assert not v.codec.needs_reference  # the NaN save stored it whole
     mngr.close()
+
+
+def test_recycling_windows_restores_bitwise(tmp_path, monkeypatch, assert_bitwise) -> None:
+    """A restore recycles a window's uint8 host arrays for the links after it
+    (``reading.HostBuffers``), with a window per link here: every link but the first decodes
+    into arrays an earlier link used, and the restore still equals what was saved (an
+    unchanged uint8 leaf stored in the base only lives on through every window)."""
+    monkeypatch.setattr(restoring, "FUSE_MIN_BYTES", 0)
+    monkeypatch.setattr(restoring, "MAX_WINDOW_LINKS", 1)  # a window (and recycling) per link
+    rng = np.random.default_rng(0)
+    mask = jnp.asarray(rng.integers(0, 256, size=(256, 64)), jnp.uint8)  # stored in the base
+    states = [{"w": jnp.asarray(rng.normal(size=(256, 64)), jnp.float32) * (1 + 0.01 * t),
+               "mask": mask} for t in range(5)]
+    mngr = ol.checkpoint_manager(tmp_path, max_to_keep=None)
+    for step, state in enumerate(states):
+        mngr.save(step, args=ol.LossySave(state))
+        mngr.wait_until_finished()
+    mngr.close()
+    recycled: list[int] = []
+    real = restoring.reading.HostBuffers.recycle
+
+    def counting(self, owners, live):
+        recycled.extend(owners)
+        return real(self, owners, live)
+
+    monkeypatch.setattr(restoring.reading.HostBuffers, "recycle", counting)
+    restored = ol.checkpoint_manager(tmp_path, max_to_keep=None).restore(4)
+    assert recycled, "no window's arrays were recycled"
+    assert_bitwise(restored["mask"], np.asarray(states[4]["mask"]), "the exact uint8 leaf")
+
+
+def test_host_buffers_keep_an_array_a_live_value_uses() -> None:
+    """``recycle`` gives back a lent array only if no live array uses its memory: on CPU a
+    zero-copy upload of a host array *is* that memory (a program returning its input unchanged
+    hands it back as the value)."""
+    buffers = restoring.reading.HostBuffers()
+    take = buffers.lender(0)
+    kept, free = take((64, 16), np.dtype(np.uint8)), take((64, 16), np.dtype(np.uint8))
+    kept[:] = 7
+    value = jax.device_put(kept, jax.devices("cpu")[0])
+    if value.unsafe_buffer_pointer() != kept.ctypes.data:
+        pytest.skip("this runtime copies host arrays on upload")
+    buffers.recycle([0], [value])
+    again = buffers.lender(1)
+    first, second = again((64, 16), np.dtype(np.uint8)), again((64, 16), np.dtype(np.uint8))
+    assert first.ctypes.data == free.ctypes.data  # the free one comes back ...
+    assert second.ctypes.data not in (kept.ctypes.data, free.ctypes.data)  # ... the kept never
+    assert (np.asarray(value) == 7).all()

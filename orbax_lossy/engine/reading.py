@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import math
 import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -172,6 +173,55 @@ def shard_regions(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> se
             for idx in sharding.addressable_devices_indices_map(shape).values()}
 
 
+class HostBuffers:
+    """The host arrays one restore decodes its symbol fields into, lent per chain link and
+    recycled once the programs that read them have run.
+
+    A restore decodes every link's fields into new host arrays; a 1 GB all-floats LC chain of
+    9 deltas allocated 2.3 GB of them one after another. Fresh memory costs page faults (and,
+    on a virtual machine, the host's own faults: a first touch of 1 GB took 0.5-11 s on the
+    2-core benchmark machine, a reused gigabyte 0.16 s). Links of one chain have the same
+    shapes, so a window's arrays serve the links after it. Only between links of one restore:
+    nothing is held once it returns.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
+        self._lent: dict[int, list[np.ndarray]] = {}
+
+    def lender(self, owner: int) -> Callable[[tuple[int, ...], np.dtype], np.ndarray]:
+        """``take(shape, dtype)``: an uninitialized aligned array, lent to ``owner``."""
+        return functools.partial(self._take, owner)
+
+    def _take(self, owner: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        key = (tuple(shape), np.dtype(dtype).str)
+        with self._lock:
+            free = self._free.get(key)
+            array = free.pop() if free else None
+        if array is None:
+            array = aligned_empty(key[0], dtype)
+        with self._lock:
+            self._lent.setdefault(owner, []).append(array)
+        return array
+
+    def recycle(self, owners: Iterable[int], live: Iterable[Any]) -> None:
+        """Make the arrays lent to ``owners`` available again, except any whose memory one of
+        the ``live`` arrays uses (a program that returns its input unchanged hands back the
+        uploaded array itself, which on CPU is the host array). The caller guarantees that
+        every program that took them as input has finished."""
+        try:
+            used = {shard.data.unsafe_buffer_pointer()
+                    for x in live if isinstance(x, jax.Array) for shard in x.addressable_shards}
+        except Exception:  # no buffer pointers here: keep every lent array as it is
+            return
+        with self._lock:
+            for owner in owners:
+                for array in self._lent.pop(owner, []):
+                    if array.ctypes.data not in used:
+                        self._free.setdefault((array.shape, array.dtype.str), []).append(array)
+
+
 class FieldRead:
     """One field's needed pieces, decoded straight into the host arrays of its shards'
     regions: each piece's decoding task also copies it into the regions it overlaps (on the
@@ -179,7 +229,8 @@ class FieldRead:
     piece takes the decoded piece itself. Raises FormatError at once unless the pieces cover
     every region."""
 
-    def __init__(self, reader, pieces, codec, field, dtype, regions, where) -> None:
+    def __init__(self, reader, pieces, codec, field, dtype, regions, where,
+                 take: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None) -> None:
         self.where = where
         needed = needed_pieces([p for p in pieces if p.field == field], regions)
         self._source = (reader, codec, field, np.dtype(dtype))
@@ -192,8 +243,11 @@ class FieldRead:
                 raise FormatError(f"{where}: field {field!r} region {region} is not fully "
                                   "stored")
             whole = [p for p in needed.values() if tuple(map(tuple, p.box)) == region]
-            self.arrays[region] = None if whole else aligned_empty(grid.box_shape(region),
-                                                                   dtype)
+            if take is not None and np.dtype(dtype) == np.uint8:  # symbols decode in place
+                self.arrays[region] = take(grid.box_shape(region), np.dtype(dtype))
+            else:
+                self.arrays[region] = None if whole else aligned_empty(grid.box_shape(region),
+                                                                       dtype)
         for p in needed.values():
             self._tasks.append((p, [r for r in regions if grid.intersect(p.box, r) is not None]))
         self._futures: list[concurrent.futures.Future] = []
@@ -239,7 +293,8 @@ class FieldRead:
         out = self.arrays[region]
         if out is None or grid.intersect(box, region) != box:
             return None
-        slab = out[grid.local_slices(box, region)]
+        index: tuple[Any, ...] = (*grid.local_slices(box, region), Ellipsis)
+        slab = out[index]  # (the Ellipsis: a view even of a 0-d array, not a scalar)
         return slab if slab.flags.c_contiguous and slab.size else None
 
     def result(self) -> dict[grid.Box, np.ndarray]:
@@ -253,22 +308,23 @@ class FieldRead:
 
 
 def start_field(reader, pieces, codec, field, dtype, shape, sharding, where,
-                threads, ahead: bool = False) -> FieldRead:
+                threads, ahead: bool = False, take=None) -> FieldRead:
     """Start decoding the pieces of ``field`` that this process's shards on ``sharding``
-    overlap (see :class:`FieldRead`; ``ahead``: its result is needed only later)."""
+    overlap (see :class:`FieldRead`; ``ahead``: its result is needed only later; ``take``:
+    where uint8 fields get their host arrays, e.g. :meth:`HostBuffers.lender`)."""
     return FieldRead(reader, pieces, codec, field, dtype, shard_regions(shape, sharding),
-                     where).start(threads, ahead)
+                     where, take).start(threads, ahead)
 
 
 def assemble_field(
     reader, pieces, codec, field, dtype, shape, sharding, where, threads,
-    started: FieldRead | None = None,
+    started: FieldRead | None = None, take=None,
 ) -> jax.Array:
     """Build one field as a jax.Array on ``sharding`` from the pieces its shards overlap;
     ``started``: their decoding, already submitted by :func:`start_field`."""
     if started is None:
         started = start_field(reader, pieces, codec, field, dtype, shape, sharding, where,
-                              threads)
+                              threads, take=take)
     arrays = started.result()
 
     def callback(index: tuple[slice, ...] | None) -> np.ndarray:

@@ -320,6 +320,8 @@ class _Link:
     active: list[bool]
     reader: payload.PayloadReader
     started: dict[tuple[int, str], reading.FieldRead] = dataclasses.field(default_factory=dict)
+    #: where its uint8 fields get their host arrays (None: new arrays)
+    take: Any = None
 
 
 def _start_link(link: _Link, targets: list[Any], threads: int) -> None:
@@ -335,7 +337,7 @@ def _start_link(link: _Link, targets: list[Any], threads: int) -> None:
             with stored_data(lw):
                 link.started[(k, name)] = reading.start_field(
                     link.reader, by_field.get(name, []), leaf.codec, name, fdtype, leaf.shape,
-                    sharding, lw, threads, ahead=True)
+                    sharding, lw, threads, ahead=True, take=link.take)
 
 
 @dataclasses.dataclass
@@ -373,7 +375,7 @@ def _read_link(
             fields = {
                 name: reading.assemble_field(
                     link.reader, by_field.get(name, []), codec, name, fdtype, leaf.shape,
-                    sharding, lw, threads, link.started.get((k, name)),
+                    sharding, lw, threads, link.started.get((k, name)), take=link.take,
                 )
                 for name, fdtype in codec.field_dtypes(leaf.dtype).items()
             }
@@ -568,7 +570,10 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
                            payload.PayloadReader(link_dir, root)))
     windows = _windows(len(links), _window_links(links))
     _precompile(links, windows, chosen, targets)
-    for window in windows:
+    buffers = reading.HostBuffers()
+    for n, link in enumerate(links):
+        link.take = buffers.lender(n)
+    for number, window in enumerate(windows):
         reads = []
         for n in window:
             link = links[n]
@@ -583,6 +588,12 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
                 link.reader.close()
             bytes_read += link.reader.bytes_read
         _decode_window(reads, chosen, targets, values)
+        if number + 1 < len(windows):
+            # the window's symbol arrays serve the links after it once its programs have run
+            # (the next link's pieces keep decoding meanwhile: they were started ahead)
+            del reads
+            jax.block_until_ready([v for v in values if isinstance(v, jax.Array)])
+            buffers.recycle(window, values)
     out = []
     final_dir = chain[-1][0]
     for k, leaf in enumerate(chosen):
