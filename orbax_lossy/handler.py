@@ -27,7 +27,7 @@ from orbax_lossy.args import (
 )
 from orbax_lossy.commit import commit_future
 from orbax_lossy.engine import restore as restoring
-from orbax_lossy.engine import save, transfer
+from orbax_lossy.engine import save
 from orbax_lossy.engine.reference import (
     ProtectedRoots,
     Reference,
@@ -253,7 +253,6 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
             if tree is not NotImplemented:
                 return tree
         target = args.target()
-        transfer.donation_probe()  # started now, it has answered when the reference is held
         restored = restoring.restore_item(directory, target, self.encode_threads,
                                           partial=args.partial_restore)
         self.last_restore_bytes_read = restored.bytes_read

@@ -228,19 +228,17 @@ def checkpoint_manager(
 
 
 def _compile_latest(directory: str) -> None:
-    from orbax_lossy.engine import restore, transfer
+    from orbax_lossy.engine import restore
 
     steps = step_directories(directory)
     if not steps:
         return
-    transfer.donation_probe()  # the restore holds its reference without a copy once it answers
     step_dir = steps[max(steps)]
     for name in sorted(listdir(step_dir)):
         item_dir = os.path.join(step_dir, name)
         if os.path.isfile(os.path.join(item_dir, MANIFEST_NAME)):
             with contextlib.suppress(Exception):  # the restore itself reports a bad chain
                 restore.compile_ahead(item_dir)
-    transfer.donation_probe(wait=True)
 
 
 #: compile_latest_ahead ran in this process (it runs for the first manager only)

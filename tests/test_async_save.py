@@ -270,17 +270,10 @@ def test_building_a_handler_leaves_jax_uninitialized():
 
 
 def test_a_restored_state_can_be_donated_at_once(tmp_path, assert_bitwise):
-    """On CPU a restore keeps its reference without a copy (zero-copy views of the restored
-    buffers, as a save holds the caller's): a train step that donates the restored state gets
-    a copy (the restored arrays stay alive and keep their values), and the next delta is
-    coded against the restored values: its restore equals that of a run that never stopped.
-    """
-    from orbax_lossy.engine import transfer
-
-    deadline = time.monotonic() + 60
-    while not transfer.donation_probe():  # the first call starts the probe in the background
-        assert time.monotonic() < deadline, "views do not block donation on this runtime"
-        time.sleep(0.01)
+    """A restore's reference (for the next delta) is the handler's own copy: a train step may
+    donate the restored state at once (its buffers are given up, as after plain Orbax's
+    restore), and the next delta is still coded against the restored values: its restore
+    equals that of a run that never stopped."""
     device_params = [{k: v for k, v in params_at(t).items() if k != "host"} for t in range(3)]
     straight = ol.checkpoint_manager(tmp_path / "straight", max_to_keep=None)
     for t, p in enumerate(device_params):
@@ -293,19 +286,11 @@ def test_a_restored_state_can_be_donated_at_once(tmp_path, assert_bitwise):
         first.save(t, args=ol.LossySave(p))
         first.wait_until_finished()
     first.close()
-    handler = ol.LossyCheckpointHandler()
-    resumed = ol.checkpoint_manager(tmp_path / "resumed", handler=handler, max_to_keep=None)
+    resumed = ol.checkpoint_manager(tmp_path / "resumed", max_to_keep=None)
     restored = resumed.restore(1, args=ol.LossyRestore(device_params[1]))
-    reference = handler._store.get("default")
-    assert reference is not None and reference.step == 1
-    held = {ref.unsafe_buffer_pointer() for ref in reference.values if ref is not None}
-    assert held == {x.unsafe_buffer_pointer() for x in jax.tree.leaves(restored)}  # no copy
-    before = jax.tree.map(np.array, restored)
     new = donate_all(restored)
     assert all(float(x.reshape(-1)[0]) == 7.0 for x in jax.tree.leaves(new))
-    assert not any(x.is_deleted() for x in jax.tree.leaves(restored))  # donation refused
-    for name in before:
-        assert_bitwise(restored[name], before[name], f"{name} after the donating step")
+    assert all(x.is_deleted() for x in jax.tree.leaves(restored))  # donated, not copied
     resumed.save(2, args=ol.LossySave(device_params[2]))
     resumed.wait_until_finished()
     resumed.close()

@@ -229,40 +229,17 @@ class ReferenceStore:
             return {k: set(v) for k, v in self._dependencies[(root_key(root), step)].items()}
 
 
-def own_restored(values: list[Any]) -> list[Any]:
-    """The handler's own arrays of a restore's device values (None stays None).
-
-    On CPU devices (once :func:`~orbax_lossy.engine.transfer.donation_probe` has found that
-    numpy views block donation) the values are held without a copy
-    (:func:`~orbax_lossy.engine.transfer.hold_on_host`): a program of the caller's that
-    donates a restored array then gets a copy of it, as it would while plain Orbax held views,
-    and the reference keeps its values. That waits for the restore's decode programs, which
-    the caller's first use of the state waits for anyway. Elsewhere, and for any value the
-    hold refuses, a device copy (:func:`~orbax_lossy.engine.device.copy_tree`): at 1 GB on
-    CPU that copy cost 0.6 s of CPU and a second state of memory.
-    """
-    from orbax_lossy.engine.device import copy_tree
-    from orbax_lossy.engine.transfer import donation_probe, hold_on_host
-
-    present = [j for j, v in enumerate(values) if v is not None]
-    cpu = [j for j in present
-           if all(getattr(d, "platform", None) == "cpu" for d in values[j].sharding.device_set)]
-    out: list[Any] = [None] * len(values)
-    if cpu and donation_probe():
-        jax.block_until_ready([values[j] for j in cpu])
-        for j, held in zip(cpu, hold_on_host([values[j] for j in cpu]), strict=True):
-            out[j] = held
-    rest = [j for j in present if out[j] is None]
-    for j, copied in zip(rest, copy_tree([values[j] for j in rest]), strict=True):
-        out[j] = copied
-    return out
-
-
 def restored_reference(restored: Any, on_host: bool) -> Reference:
     """The reference a complete restore leaves (copies the handler owns)."""
+    from orbax_lossy.engine.device import copy_tree
+
+    # a copy, not zero-copy views as save() holds: a view makes the runtime refuse the
+    # donation of the restored state, so a train step that donates it would copy it at once,
+    # in the step (256 MB: restore plus a donating step 661-717 ms with views, 590-593 ms
+    # with this asynchronous copy; docs/performance.md)
     leaves = restored.manifest.leaves
-    values = own_restored([v if leaf.storage == "device" else None
-                           for v, leaf in zip(restored.values, leaves, strict=True)])
+    values = copy_tree([v if leaf.storage == "device" else None
+                        for v, leaf in zip(restored.values, leaves, strict=True)])
     if on_host:
         values = [np.asarray(v) if v is not None else None for v in values]
     signature = tuple(

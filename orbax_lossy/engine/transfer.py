@@ -174,11 +174,11 @@ _PROBE: concurrent.futures.Future | None = None
 _PROBE_LOCK = threading.Lock()
 
 
-def donation_probe(wait: bool = False) -> bool:
-    """``_views_block_donation`` without waiting for it (unless ``wait``): the first call
-    starts the probe on a background thread and answers False (that save copies), later calls
-    answer once it is done. Neither handler construction (which may precede
-    ``jax.distributed.initialize``) nor ``save()`` compiles it."""
+def donation_probe() -> bool:
+    """``_views_block_donation`` without waiting for it: the first call starts the probe
+    on a background thread and answers False (that save copies), later calls answer once it
+    is done. Neither handler construction (which may precede ``jax.distributed.initialize``)
+    nor ``save()`` compiles it."""
     global _PROBE
     with _PROBE_LOCK:
         if _PROBE is None:
@@ -191,10 +191,7 @@ def donation_probe(wait: bool = False) -> bool:
             # not a daemon: interpreter exit waits for it (milliseconds) instead of killing it
             # inside XLA, which aborts the process
             threading.Thread(target=run, name="orbax_lossy_donation_probe").start()
-            if not wait:
-                return False
-    if wait:
-        _PROBE.result()
+            return False
     return _PROBE.done() and bool(_PROBE.result())
 
 
