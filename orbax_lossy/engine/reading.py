@@ -173,6 +173,10 @@ def shard_regions(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> se
             for idx in sharding.addressable_devices_indices_map(shape).values()}
 
 
+#: where a field's host arrays come from: ``take(shape, dtype)`` (see :class:`HostBuffers`)
+Take = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+
+
 class HostBuffers:
     """The host arrays one restore decodes its symbol fields into, lent per chain link and
     recycled once the programs that read them have run.
@@ -190,7 +194,7 @@ class HostBuffers:
         self._free: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
         self._lent: dict[int, list[np.ndarray]] = {}
 
-    def lender(self, owner: int) -> Callable[[tuple[int, ...], np.dtype], np.ndarray]:
+    def lender(self, owner: int) -> Take:
         """``take(shape, dtype)``: an uninitialized aligned array, lent to ``owner``."""
         return functools.partial(self._take, owner)
 
@@ -198,10 +202,7 @@ class HostBuffers:
         key = (tuple(shape), np.dtype(dtype).str)
         with self._lock:
             free = self._free.get(key)
-            array = free.pop() if free else None
-        if array is None:
-            array = aligned_empty(key[0], dtype)
-        with self._lock:
+            array = free.pop() if free else aligned_empty(key[0], dtype)
             self._lent.setdefault(owner, []).append(array)
         return array
 
@@ -230,7 +231,7 @@ class FieldRead:
     every region."""
 
     def __init__(self, reader, pieces, codec, field, dtype, regions, where,
-                 take: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None) -> None:
+                 take: Take | None = None) -> None:
         self.where = where
         needed = needed_pieces([p for p in pieces if p.field == field], regions)
         self._source = (reader, codec, field, np.dtype(dtype))
@@ -308,7 +309,7 @@ class FieldRead:
 
 
 def start_field(reader, pieces, codec, field, dtype, shape, sharding, where,
-                threads, ahead: bool = False, take=None) -> FieldRead:
+                threads, ahead: bool = False, take: Take | None = None) -> FieldRead:
     """Start decoding the pieces of ``field`` that this process's shards on ``sharding``
     overlap (see :class:`FieldRead`; ``ahead``: its result is needed only later; ``take``:
     where uint8 fields get their host arrays, e.g. :meth:`HostBuffers.lender`)."""
@@ -318,7 +319,7 @@ def start_field(reader, pieces, codec, field, dtype, shape, sharding, where,
 
 def assemble_field(
     reader, pieces, codec, field, dtype, shape, sharding, where, threads,
-    started: FieldRead | None = None, take=None,
+    started: FieldRead | None = None, take: Take | None = None,
 ) -> jax.Array:
     """Build one field as a jax.Array on ``sharding`` from the pieces its shards overlap;
     ``started``: their decoding, already submitted by :func:`start_field`."""

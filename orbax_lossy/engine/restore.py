@@ -321,7 +321,7 @@ class _Link:
     reader: payload.PayloadReader
     started: dict[tuple[int, str], reading.FieldRead] = dataclasses.field(default_factory=dict)
     #: where its uint8 fields get their host arrays (None: new arrays)
-    take: Any = None
+    take: reading.Take | None = None
 
 
 def _start_link(link: _Link, targets: list[Any], threads: int) -> None:
