@@ -13,6 +13,7 @@ globally, which makes the codec choices identical on every process.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -165,9 +166,27 @@ def _decode_links(
     return x
 
 
-#: :func:`_decode_links`, donating the reference (a restore's own intermediate value)
-decode_links = jax.jit(_decode_links, static_argnames=("plans", "dtype", "sharding"),
-                       donate_argnums=(2,))
+@functools.lru_cache(maxsize=256)
+def decode_links_program(sharding: jax.sharding.Sharding) -> Any:
+    """:func:`_decode_links` on ``sharding``, jitted: it donates the reference (a restore's own
+    intermediate value) and puts its result on ``sharding`` (committed there even when every
+    argument is a host array, see ``transfer.passes_as_host``)."""
+    return jax.jit(functools.partial(_decode_links, sharding=sharding),
+                   static_argnames=("plans", "dtype"), donate_argnums=(2,),
+                   out_shardings=sharding)
+
+
+def decode_links(
+    fields: Sequence[dict[str, Any]],
+    sides: Sequence[dict[str, Any]],
+    reference: jax.Array | None,
+    *,
+    plans: tuple[Codec, ...],
+    dtype: Any,
+    sharding: jax.sharding.Sharding,
+) -> jax.Array:
+    """Run :func:`decode_links_program` of ``sharding`` (see :func:`_decode_links`)."""
+    return decode_links_program(sharding)(fields, sides, reference, plans=plans, dtype=dtype)
 
 
 def leaf_pool() -> concurrent.futures.ThreadPoolExecutor:

@@ -319,14 +319,20 @@ def start_field(reader, pieces, codec, field, dtype, shape, sharding, where,
 
 def assemble_field(
     reader, pieces, codec, field, dtype, shape, sharding, where, threads,
-    started: FieldRead | None = None, take: Take | None = None,
-) -> jax.Array:
+    started: FieldRead | None = None, take: Take | None = None, host: bool = False,
+) -> jax.Array | np.ndarray:
     """Build one field as a jax.Array on ``sharding`` from the pieces its shards overlap;
-    ``started``: their decoding, already submitted by :func:`start_field`."""
+    ``started``: their decoding, already submitted by :func:`start_field`. ``host``: a
+    field that is one region on one CPU device comes back as its host array, for a program
+    to take as it is (see :func:`transfer.passes_as_host`)."""
     if started is None:
         started = start_field(reader, pieces, codec, field, dtype, shape, sharding, where,
                               threads, take=take)
     arrays = started.result()
+    if host and len(arrays) == 1:
+        (array,) = arrays.values()
+        if array.shape == tuple(shape) and array.dtype == np.dtype(dtype):
+            return array
 
     def callback(index: tuple[slice, ...] | None) -> np.ndarray:
         return arrays[grid.box_from_index(index or (), shape)]

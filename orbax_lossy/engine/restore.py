@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from orbax_lossy.codecs.base import work_dtype
-from orbax_lossy.engine import device, precompile, reading
+from orbax_lossy.engine import device, precompile, reading, transfer
 from orbax_lossy.errors import ChainError, FormatError, InvalidArgumentError, LossyError
 from orbax_lossy.format import payload
 from orbax_lossy.format.chain import walk_chain
@@ -345,7 +345,7 @@ class _LeafRead:
     """One link's stored fields of one device leaf, uploaded and ready to decode."""
 
     codec: Any
-    fields: dict[str, jax.Array]
+    fields: dict[str, jax.Array | np.ndarray]  # host arrays where transfer.passes_as_host
     side: dict[str, np.ndarray]
     where: str
 
@@ -371,11 +371,13 @@ def _read_link(
         _check_side(leaf, lw)
         sharding = reading.target_sharding(targets[k])
         by_field = reading.pieces_by_field(leaf.pieces)
+        host = transfer.passes_as_host(sharding)
         with stored_data(lw):
             fields = {
                 name: reading.assemble_field(
                     link.reader, by_field.get(name, []), codec, name, fdtype, leaf.shape,
                     sharding, lw, threads, link.started.get((k, name)), take=link.take,
+                    host=host,
                 )
                 for name, fdtype in codec.field_dtypes(leaf.dtype).items()
             }
@@ -427,14 +429,15 @@ def _precompile(links: Sequence[Any], windows: Sequence[range], chosen: Sequence
                 def spec(shape, dtype, on=None):
                     return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=on)
 
-                fields = tuple({name: spec(leaf.shape, dtype, sharding) for name, dtype in
+                # fields that reach the program as host arrays are uncommitted arguments
+                on = None if transfer.passes_as_host(sharding) else sharding
+                fields = tuple({name: spec(leaf.shape, dtype, on) for name, dtype in
                                 codec.field_dtypes(leaf.dtype).items()} for codec in codecs)
                 side_specs = tuple({name: spec(v.shape, v.dtype) for name, v in side.items()}
                                    for side in sides)
                 reference = spec(leaf.shape, leaf.dtype, sharding) if referenced else None
-                return device.decode_links.lower(
-                    fields, side_specs, reference, plans=codecs, dtype=leaf.dtype,
-                    sharding=sharding).compile()
+                return device.decode_links_program(sharding).lower(
+                    fields, side_specs, reference, plans=codecs, dtype=leaf.dtype).compile()
 
             keys.append((key, compile_program))
     if not speculative:

@@ -186,6 +186,8 @@ def main(out_dir: str) -> None:
                 arr = restored["params"][k]
                 if not arr.sharding.is_equivalent_to(sh[k], arr.ndim):
                     raise AssertionError(f"{tname}: {k} restored with sharding {arr.sharding}")
+                if not arr.committed:  # as Orbax restores: placed, not free to move
+                    raise AssertionError(f"{tname}: {k} restored uncommitted")
             if int(restored["count"]) != step or restored["step"] != step:
                 raise AssertionError(f"{tname} step {step}: count/step mismatch")
         restores[tname] = "ok"
