@@ -316,3 +316,21 @@ def test_blocks_on_this_thread_decodes_the_same_without_the_pool(monkeypatch):
     assert used_pool == (stream._pool()._max_workers > 1)
     np.testing.assert_array_equal(serial, parallel)
     np.testing.assert_array_equal(serial, symbols)
+
+
+@pytest.mark.parametrize("window", [8, 9, 10, 11, 12])
+def test_every_table_window_decodes_alike(window: int, monkeypatch) -> None:
+    """A stream's byte-table window follows its length (``stream._window_bits``: a short
+    stream builds a smaller table); whatever the window, TUPLE (codes longer than the window
+    included) and ZRUN streams decode as the code-by-code reference does."""
+    monkeypatch.setattr(stream, "_window_bits", lambda lookups, most: window)
+    rng = np.random.default_rng(window)
+    sym = np.repeat(np.arange(200, dtype=np.uint8), 2 ** (np.arange(200) % 14))
+    sym = sym[rng.permutation(sym.size)]
+    pairs = _source(rng, 3 * BLOCK, 9, 0.6)
+    for source, k in [(sym, 1), (pairs, 2)]:
+        data = _tuple_stream(source, k)
+        assert _same(data, source.size, monkeypatch) == ("ok", source.tobytes())
+    sparse = np.where(rng.random(4 * BLOCK) < 0.95, 0, rng.integers(1, 9, 4 * BLOCK))
+    sparse = sparse.astype(np.uint8)
+    assert _same(_zrun_stream(sparse), sparse.size, monkeypatch) == ("ok", sparse.tobytes())

@@ -188,6 +188,20 @@ def deserialize_lengths(data: np.ndarray, pos: int, a: int, lens: np.ndarray) ->
 # inlines them (``inline="always"``), so they cost nothing over writing the loop out.
 
 
+@njit(nogil=True, cache=True)
+def kraft_total(lens: np.ndarray, max_len: int) -> int:
+    """Sum of ``2**(max_len - length)`` over the nonzero lengths (``2**max_len``: a complete
+    code); ``-1`` if a length exceeds ``max_len``."""
+    total = 0
+    for i in range(lens.size):
+        ln = np.int64(lens[i])
+        if ln > max_len:
+            return -1
+        if ln:
+            total += np.int64(1) << (max_len - ln)
+    return total
+
+
 @njit(nogil=True, cache=True, inline="always")
 def _put_bits(out, pos, acc, nacc, value, nbits):
     """Append the ``nbits`` low bits of ``value`` (MSB first), writing every whole byte.

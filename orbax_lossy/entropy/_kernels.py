@@ -26,6 +26,7 @@ from orbax_lossy.entropy._core_kernels import _put_bits as _put_bits
 from orbax_lossy.entropy._core_kernels import _read_code as _read_code
 from orbax_lossy.entropy._core_kernels import deserialize_lengths as deserialize_lengths
 from orbax_lossy.entropy._core_kernels import huffman_code_lengths as huffman_code_lengths
+from orbax_lossy.entropy._core_kernels import kraft_total as kraft_total
 from orbax_lossy.entropy._core_kernels import serialize_lengths as serialize_lengths
 
 #: number of run codes of the zero-run mode (runs 0..15 literal, then 4 buckets per octave)

@@ -38,9 +38,11 @@ def code_lengths(counts: np.ndarray, max_len: int = MAX_CODE_LEN) -> np.ndarray:
 
 def kraft_sum(lengths: np.ndarray) -> int:
     """Kraft sum of the code lengths scaled by ``2^MAX_CODE_LEN`` (complete code: 2^15)."""
-    lens = np.asarray(lengths, dtype=np.int64)
-    used = lens[lens > 0]
-    return int(np.sum(np.left_shift(1, MAX_CODE_LEN - used, dtype=np.int64)))
+    total = int(K.kraft_total(np.ascontiguousarray(lengths, dtype=np.uint8).reshape(-1),
+                              MAX_CODE_LEN))
+    if total < 0:
+        raise ValueError(f"a code length above {MAX_CODE_LEN}")
+    return total
 
 
 def _canonical_order(lens: np.ndarray) -> np.ndarray:

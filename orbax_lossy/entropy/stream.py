@@ -447,6 +447,14 @@ def _outside(symbol: int, alphabet: int) -> FormatError:
     return FormatError(f"symbol {symbol} outside the alphabet of {alphabet} symbols")
 
 
+def _window_bits(lookups: int, most: int) -> int:
+    """Window bits of a byte table (``K.byte_table``, ``K.zrun_byte_table``) for a stream of
+    about ``lookups`` codes: a table costs about ``2**bits`` entries to build, 41 us at 12
+    bits, more than decoding 46 k symbols took, so a short stream takes a smaller one (8-12
+    bits; the table changes speed, never the result)."""
+    return max(8, min(most, int(lookups).bit_length() - 6))
+
+
 def _decode_tuple(buf: np.ndarray, pos: int, n: int, alphabet: int) -> np.ndarray:
     used, pos = _read_symset(buf, pos)
     if int(used[-1]) >= alphabet:  # every decoded symbol is one of the set (padding too)
@@ -462,12 +470,12 @@ def _decode_tuple(buf: np.ndarray, pos: int, n: int, alphabet: int) -> np.ndarra
     out = _output(n, total_units * k)
 
     if _LITTLE_ENDIAN:  # the lengths are valid (deserialize_lengths), so no checks here
-        lut, lut_bits, expand, info, obytes = K.tuple_tables(lens, used, k, K.BYTE_TABLE_BITS)
+        window = _window_bits(total_units, K.BYTE_TABLE_BITS)
+        lut, lut_bits, expand, info, obytes = K.tuple_tables(lens, used, k, window)
 
         def kernel(b0: int, b1: int) -> int:
-            return K.tuple_decode_bytes(buf, offsets, lut, lut_bits, info, obytes,
-                                        K.BYTE_TABLE_BITS, expand, units, total_units, out,
-                                        b0, b1)
+            return K.tuple_decode_bytes(buf, offsets, lut, lut_bits, info, obytes, window,
+                                        expand, units, total_units, out, b0, b1)
 
         _run_blocks(kernel, offsets.size - 1)
         return out[:n]
@@ -509,12 +517,13 @@ def _decode_zrun(buf: np.ndarray, pos: int, n: int, alphabet: int) -> np.ndarray
     out = _output(n)
 
     if _LITTLE_ENDIAN and ZRUN_TABLE:
-        info, obytes = K.zrun_byte_table(rlut, rbits, llut, lbits, zsym, K.ZRUN_TABLE_BITS)
+        window = _window_bits(n, K.ZRUN_TABLE_BITS)
+        info, obytes = K.zrun_byte_table(rlut, rbits, llut, lbits, zsym, window)
 
         def kernel(b0: int, b1: int) -> int:
             return K.zrun_decode_bytes(
                 buf, zsym, offsets, rlut, rbits, K.RUN_BASE, K.RUN_EXTRA, llut, lbits, info,
-                obytes, K.ZRUN_TABLE_BITS, block, n, out, b0, b1,
+                obytes, window, block, n, out, b0, b1,
             )  # fmt: skip
     else:
         decode = K.zrun_decode_fast if _LITTLE_ENDIAN else K.zrun_decode
