@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import importlib.metadata
 import math
 from collections.abc import Callable, Mapping
@@ -203,6 +204,13 @@ def dataclass_config(codec: Any) -> dict[str, Any]:
     return {f.name: getattr(codec, f.name) for f in dataclasses.fields(codec)}
 
 
+@functools.lru_cache(maxsize=1024)
+def _field_dtypes(codec: CodecBase, dtype: np.dtype) -> dict[str, np.dtype]:
+    """:meth:`CodecBase.field_dtypes`, once per codec and dtype (a restore asks for every
+    leaf of every link several times; codecs are frozen dataclasses)."""
+    return {name: f.dtype_for(dtype) for name, f in codec.fields().items()}
+
+
 class CodecBase(abc.ABC):
     """Base class of a codec; subclasses are frozen dataclasses and register on definition.
 
@@ -261,7 +269,10 @@ class CodecBase(abc.ABC):
 
     def field_dtypes(self, dtype: np.dtype) -> dict[str, np.dtype]:
         """The dtype of every declared field for a leaf of ``dtype``, by field name."""
-        return {name: f.dtype_for(dtype) for name, f in self.fields().items()}
+        try:
+            return dict(_field_dtypes(self, np.dtype(dtype)))
+        except TypeError:  # an unhashable codec or dtype: computed each time
+            return {name: f.dtype_for(dtype) for name, f in self.fields().items()}
 
     def _field(self, name: str) -> Field:
         spec = self.fields().get(name)

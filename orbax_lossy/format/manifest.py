@@ -242,7 +242,7 @@ class LeafEntry:
             raise fail(lw, f"chunk {chunk} does not fit shape {shape}")
         codec_config = get(d, "codec", dict, lw)
         try:
-            codec = codec_from_config(codec_config, lw)
+            codec = _codec_of(codec_config, lw)
         except LossyError:
             raise
         except Exception as e:  # a codec constructor rejecting odd values
@@ -285,7 +285,7 @@ class LeafEntry:
                 raise fail(lw, f"piece of unknown field {p.field!r}")
             if not box_inside(p.box, shape) or (shape and not within_one_chunk(p.box, chunk)):
                 raise fail(lw, f"piece box {p.box} lies outside the leaf or its chunk")
-        return cls(
+        entry = cls(
             path=path,
             storage=storage,
             shape=shape,
@@ -299,6 +299,8 @@ class LeafEntry:
             pieces=pieces,
             sharding=sharding_string(get(d, "sharding", str, lw, None), lw),
         )
+        entry.__dict__["codec"] = codec  # the cached property, already computed
+        return entry
 
     def check_coverage(self, where: str) -> None:
         """Every field's pieces tile the array exactly: disjoint, and covering it by volume.
@@ -308,6 +310,10 @@ class LeafEntry:
         """
         total = math.prod(self.shape)
         fields = self.codec.field_dtypes(self.dtype)
+        whole = tuple((0, d) for d in self.shape)
+        if (len(self.pieces) == len(fields) and all(p.box == whole for p in self.pieces)
+                and len({p.field for p in self.pieces}) == len(fields)):
+            return  # one piece per field, each the whole leaf (fields were checked in parse)
         covered = dict.fromkeys(fields, 0)
         cells: dict[tuple[str, tuple[int, ...]], list[PieceRef]] = {}
         for p in self.pieces:
@@ -323,6 +329,28 @@ class LeafEntry:
         for (name, _), group in cells.items():
             if len(group) > 1 and _overlap(group):
                 raise fail(where, f"leaf {self.name!r} field {name!r}: two pieces overlap")
+
+
+_CODECS: dict[tuple, Codec] = {}
+#: distinct codec configs remembered by :func:`_codec_of`
+MAX_CACHED_CODECS = 1024
+
+
+def _codec_of(config: dict[str, Any], where: str) -> Codec:
+    """``codec_from_config(config)``, the same instance for the same config (a manifest of
+    a few hundred leaves names a handful of codecs; codecs are immutable)."""
+    scalars = (str, int, float, bool, type(None))
+    if not all(isinstance(k, str) and type(v) in scalars for k, v in config.items()):
+        return codec_from_config(config, where)  # lists or maps in the config: not cached
+    # the type is part of the key: 3, 3.0 and True are equal, but a codec may take one only
+    key = tuple(sorted((k, type(v).__name__, v) for k, v in config.items()))
+    codec = _CODECS.get(key)
+    if codec is None:
+        codec = codec_from_config(config, where)
+        if len(_CODECS) >= MAX_CACHED_CODECS:
+            _CODECS.clear()
+        _CODECS[key] = codec
+    return codec
 
 
 def _overlap(group: list[PieceRef]) -> bool:

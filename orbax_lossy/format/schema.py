@@ -6,6 +6,7 @@ Every check raises :class:`~orbax_lossy.FormatError` naming the file (and leaf) 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -51,14 +52,20 @@ def get(d: Any, key: str, types: type | tuple[type, ...], where: str, default: A
 
 def dtype_of(name: Any, where: str) -> np.dtype:
     """A dtype named in a manifest."""
-    import jax.numpy as jnp  # jnp knows bfloat16 and the float8 types
-
     if not isinstance(name, str):
         raise fail(where, f"dtype {name!r} is not a string")
     try:
-        return np.dtype(jnp.dtype(name))
+        return _named_dtype(name)
     except TypeError as e:
         raise fail(where, f"unknown dtype {name!r}") from e
+
+
+@functools.lru_cache(maxsize=64)
+def _named_dtype(name: str) -> np.dtype:
+    """The dtype of ``name`` (cached: a manifest names a few dtypes thousands of times)."""
+    import jax.numpy as jnp  # jnp knows bfloat16 and the float8 types
+
+    return np.dtype(jnp.dtype(name))
 
 
 def shape_of(value: Any, where: str, what: str = "shape") -> tuple[int, ...]:
