@@ -174,10 +174,20 @@ def needed_pieces(pieces, regions) -> dict[tuple[str, int], Any]:
             if any(grid.intersect(p.box, r) is not None for r in regions)}
 
 
-def shard_regions(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> set:
+def shard_regions(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> frozenset:
     """The boxes this process's shards of a ``shape`` leaf on ``sharding`` cover."""
-    return {grid.box_from_index(idx or (), shape)
-            for idx in sharding.addressable_devices_indices_map(shape).values()}
+    try:
+        return _shard_regions(tuple(shape), sharding)
+    except TypeError:  # an unhashable sharding
+        return _shard_regions.__wrapped__(tuple(shape), sharding)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shard_regions(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> frozenset:
+    """:func:`shard_regions`, once per shape and sharding (a restore asks for every leaf of
+    every link)."""
+    return frozenset(grid.box_from_index(idx or (), shape)
+                     for idx in sharding.addressable_devices_indices_map(shape).values())
 
 
 #: where a field's host arrays come from: ``take(shape, dtype)`` (see :class:`HostBuffers`)
