@@ -42,6 +42,15 @@ def encode_path(path: Sequence[Any]) -> StoredPath:
 
 def path_str(path: StoredPath) -> str:
     """Human-readable path such as ``params/Dense_0/kernel`` (used in errors and rules)."""
+    try:
+        return _path_str(path)
+    except TypeError:  # an unhashable path (a list): joined each time
+        return _path_str.__wrapped__(path)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _path_str(path: StoredPath) -> str:
+    """:func:`path_str`, once per path (a restore names every leaf of every link)."""
     return "/".join(str(k) for _, k in path) if path else "<root>"
 
 
