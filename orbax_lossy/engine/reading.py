@@ -258,9 +258,10 @@ class FieldRead:
         if len(regions) == 1 and len(mine) == 1 and tuple(map(tuple, mine[0].box)) == (
                 region := tuple(regions)[0]):
             # the common case (one device, one chunk): one piece, exactly the one region
-            in_place = take is not None and np.dtype(dtype) == np.uint8  # symbols: in place
-            self.arrays[region] = (take(grid.box_shape(region), np.dtype(dtype))
-                                   if take is not None and in_place else None)
+            if take is not None and np.dtype(dtype) == np.uint8:  # symbols decode in place
+                self.arrays[region] = take(grid.box_shape(region), np.dtype(dtype))
+            else:  # the decoded piece itself
+                self.arrays[region] = None
             self._tasks.append((mine[0], [region]))
             return
         needed = needed_pieces(mine, regions)
