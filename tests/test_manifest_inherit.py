@@ -185,3 +185,96 @@ def test_training_continues_on_a_format_3_chain(tmp_path) -> None:
         assert np.linalg.norm(got - want) <= 0.05 * np.linalg.norm(want), step
         assert np.asarray(fresh.restore(step)["step"]) == np.asarray(state["step"])
     fresh.close()
+
+
+def _same_entries(fast, full) -> None:
+    assert fast.header == full.header
+    assert len(fast.leaves) == len(full.leaves)
+    for a, b in zip(fast.leaves, full.leaves, strict=True):
+        for name in ("path", "storage", "shape", "dtype", "key_impl", "codec_config", "chunk",
+                     "role", "rel_error", "pieces", "sharding"):
+            assert getattr(a, name) == getattr(b, name), (a.name, name)
+        assert a.codec == b.codec and set(a.side) == set(b.side), a.name
+        for k in a.side:
+            assert a.side[k].dtype == b.side[k].dtype, (a.name, k)
+            np.testing.assert_array_equal(a.side[k], b.side[k])
+
+
+@pytest.mark.parametrize("policy", [None, "lc"])
+def test_differences_parse_as_their_merged_entries(tmp_path, policy) -> None:
+    """``read_manifest`` builds a delta's entries from the base's parsed entries, parsing only
+    what the delta stores (``LeafEntry.parse_difference``); the result is exactly the merged
+    entries parsed whole, for every delta of a chain."""
+    pol = ol.LeafPolicy.create(defaults={"param": ol.LC(3), "first_moment": ol.LC(3)}) \
+        if policy else None
+    kwargs = {"policy": pol} if pol else {}
+    with ol.checkpoint_manager(tmp_path, max_to_keep=None, enable_async_checkpointing=False,
+                               **kwargs) as mngr:
+        for t in range(5):
+            mngr.save(t, args=ol.LossySave(_state(t)))
+    for step in range(1, 5):
+        assert inherit.INHERITS_KEY in _raw(tmp_path, step)
+        item = _item(tmp_path, step)
+        full = fmt.Manifest.parse(read_manifest_body(item),
+                                  os.path.join(item, fmt.MANIFEST_NAME))
+        _same_entries(fmt.read_manifest(item), full)
+
+
+def _mutations() -> list:
+    def piece(key, value):
+        def mutate(entry):
+            entry["pieces"] = [dict(p) for p in entry["pieces"]]
+            entry["pieces"][0][key] = value
+        return mutate
+
+    def put(key, value):
+        def mutate(entry):
+            entry[key] = value
+        return mutate
+
+    return [
+        ("offset a string", piece("offset", "12")), ("negative length", piece("length", -1)),
+        ("crc a bool", piece("crc32", True)), ("another field", piece("field", "nope")),
+        ("another box", piece("box", [[0, 1], [0, 1]])), ("another file", piece("file", "x")),
+        ("pieces not a list", put("pieces", {"a": 1})), ("no pieces", put("pieces", [])),
+        ("rel_error a string", put("rel_error", "0.1")),
+        ("rel_error a bool", put("rel_error", True)),
+        ("codec unknown", put("codec", {"id": "no-such-codec"})),
+        ("codec bad value", put("codec", {"id": "lc", "bits": "3"})),
+        ("codec not a map", put("codec", [1])),
+        ("side of a wrong size", put("side", {"rep": {"dtype": "float32", "shape": [9],
+                                                      "data": b"\0" * 8}})),
+        ("side not a map", put("side", 3)),
+        ("another role", put("role", "state")), ("another shape", put("shape", [3])),
+        ("a key that no entry has", put("extra", 1)),
+    ]
+
+
+@pytest.mark.parametrize("label,mutate", _mutations(), ids=[m[0] for m in _mutations()])
+def test_a_damaged_difference_fails_as_its_merged_entry_does(tmp_path, label, mutate) -> None:
+    """A difference with a bad or unexpected value is refused (or accepted) exactly as the
+    merged entry parsed whole is: same exception type, or the same entries."""
+    from orbax_lossy.format.envelope import write_envelope
+
+    _save(tmp_path, range(3))
+    item = _item(tmp_path, 2)
+    path = os.path.join(item, fmt.MANIFEST_NAME)
+    body = _raw(tmp_path, 2)
+    target = next(i for i, e in enumerate(body["leaves"])
+                  if "path" not in e and "pieces" in e and "codec" in e)
+    mutate(body["leaves"][target])
+    write_envelope(path, "manifest", body)
+
+    def outcome(read):
+        try:
+            return read()
+        except Exception as e:  # noqa: BLE001 - compared by type
+            return type(e)
+
+    fast = outcome(lambda: fmt.read_manifest(item))
+    full = outcome(lambda: fmt.Manifest.parse(read_manifest_body(item), path))
+    if isinstance(full, type):
+        assert fast is full, (label, fast, full)
+        assert issubclass(full, ol.LossyError), (label, full)
+    else:
+        _same_entries(fast, full)

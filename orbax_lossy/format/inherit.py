@@ -96,6 +96,17 @@ def compact(leaves: list[dict[str, Any]], base_leaves: list[Any]) -> list[dict[s
     return out
 
 
+def maps_alike(a: Any, b: Any) -> bool:
+    """Whether :func:`merged` merges the lists ``a`` and ``b`` map by map (pieces)."""
+    return _maps_alike(a, b)
+
+
+def merged_entry(diff: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """The complete entry a difference stands for, sharing the base's values (not to be
+    modified)."""
+    return _expanded(diff, base, copy=False)
+
+
 def _expanded(diff: dict[str, Any], base: dict[str, Any], copy: bool = True) -> dict[str, Any]:
     """The complete entry a difference stands for (``stored_bytes`` recomputed)."""
     entry = merged(diff, base, copy)
@@ -172,8 +183,22 @@ def pack(item_dir: str, body: dict[str, Any]) -> dict[str, Any]:
 def unpack(item_dir: str, body: Any, where: str, copy: bool = True) -> Any:
     """A manifest body with every leaf entry complete (the ``inherits`` key removed).
     Without ``copy`` the entries share values with a cached base and must not be modified."""
-    if not isinstance(body, dict) or INHERITS_KEY not in body:
+    found = split(item_dir, body, where)
+    if found is None:
         return body
+    out, leaves, base_leaves, _ = found
+    out["leaves"] = expand(leaves, base_leaves, where, copy)
+    return out
+
+
+def split(item_dir: str, body: Any, where: str
+          ) -> tuple[dict[str, Any], list[Any], list[Any], tuple[Any, ...] | None] | None:
+    """For a body that inherits from its base (else None): the body without the ``inherits``
+    key, its own leaf entries (differences not merged), the base's leaf entries (not to be
+    modified) and the key under which those are cached (None where they are not; see
+    :func:`expand` for how the two merge)."""
+    if not isinstance(body, dict) or INHERITS_KEY not in body:
+        return None
     link = body[INHERITS_KEY]
     if (not isinstance(link, dict) or not isinstance(link.get("relpath"), str)
             or not isinstance(link.get("crc32"), int)):
@@ -185,8 +210,8 @@ def unpack(item_dir: str, body: Any, where: str, copy: bool = True) -> Any:
     if not isinstance(leaves, list):
         raise ChainError(f"{where}: leaf table is not a list")
     out = {k: v for k, v in body.items() if k != INHERITS_KEY}
-    out["leaves"] = expand(leaves, _base_leaves(base_dir, link, where), where, copy)
-    return out
+    base_leaves, key = _base_leaves_keyed(base_dir, link, where)
+    return out, leaves, base_leaves, key
 
 
 # Bases read lately, by (manifest path, size, mtime, inode, link): a chain's deltas share one
@@ -202,6 +227,12 @@ _BASE_CACHE_BYTES = 4 << 20
 
 def _base_leaves(base_dir: str, link: dict[str, Any], where: str) -> list[Any]:
     """The leaf entries of the base ``link`` names, checked against it (not to be modified)."""
+    return _base_leaves_keyed(base_dir, link, where)[0]
+
+
+def _base_leaves_keyed(base_dir: str, link: dict[str, Any], where: str
+                       ) -> tuple[list[Any], tuple[Any, ...] | None]:
+    """:func:`_base_leaves`, and the cache key they are kept under (None: not kept)."""
     path = os.path.join(base_dir, MANIFEST_NAME)
     if not lexists(path):
         raise MissingStepError(
@@ -214,7 +245,7 @@ def _base_leaves(base_dir: str, link: dict[str, Any], where: str) -> list[Any]:
         with _BASES_LOCK:
             if key in _BASES:
                 _BASES.move_to_end(key)
-                return _BASES[key]
+                return _BASES[key], key
     raw, base = _body_of(base_dir, where)
     if crc32(raw) != link["crc32"] or base.get("save_id") != link.get("save_id"):
         raise ChainError(f"{where}: its leaf table is stored against the manifest of step "
@@ -228,4 +259,5 @@ def _base_leaves(base_dir: str, link: dict[str, Any], where: str) -> list[Any]:
             _BASES[key] = leaves
             while len(_BASES) > _BASES_KEPT:
                 _BASES.popitem(last=False)
-    return leaves
+        return leaves, key
+    return leaves, None

@@ -10,16 +10,18 @@ naming the file and the leaf.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
+import threading
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
 from orbax_lossy.codecs.base import Codec, codec_from_config
-from orbax_lossy.errors import FormatError, LossyError
+from orbax_lossy.errors import ChainError, FormatError, LossyError
 from orbax_lossy.format import inherit
 from orbax_lossy.format.envelope import read_envelope, write_envelope
 from orbax_lossy.format.grid import box_inside, chunk_shape_for, intersect, within_one_chunk
@@ -241,50 +243,16 @@ class LeafEntry:
         if len(chunk) != len(shape) or any(c < 1 for c in chunk if shape):
             raise fail(lw, f"chunk {chunk} does not fit shape {shape}")
         codec_config = get(d, "codec", dict, lw)
-        try:
-            codec = _codec_of(codec_config, lw)
-        except LossyError:
-            raise
-        except Exception as e:  # a codec constructor rejecting odd values
-            raise fail(lw, f"bad codec config {str(codec_config)[:200]} ({e})") from e
-        side = {}
-        side_bytes = 0
-        side_map = get(d, "side", dict, lw, {})
-        if len(side_map) > MAX_SIDE_ARRAYS:
-            raise fail(lw, f"{len(side_map)} side arrays is more than any codec stores")
-        for name, s in side_map.items():
-            sw = f"{lw} side array {name!r}"
-            sd = dtype_of(get(s, "dtype", str, sw), sw)
-            sshape = shape_of(get(s, "shape", list, sw), sw)
-            data = get(s, "data", bytes, sw)
-            side_bytes += len(data)
-            if len(data) != math.prod(sshape) * sd.itemsize or side_bytes > MAX_SIDE_BYTES:
-                raise fail(sw, "has the wrong size")
-            if not isinstance(name, str):
-                raise fail(sw, "side array name is not a string")
-            side[name] = np.frombuffer(data, sd).reshape(sshape)
+        codec = _parsed_codec(codec_config, lw)
+        side = _side_arrays(get(d, "side", dict, lw, {}), lw)
         rel_error = get(d, "rel_error", (float, int), lw, 0.0)
-        try:
-            fields = codec.field_dtypes(dtype)
-        except Exception as e:
-            raise fail(lw, f"codec {codec_config.get('id')!r} cannot store dtype {dtype}") from e
         if storage == "none" and (shape != (0,) or dtype != np.uint8):
             raise fail(lw, f"a None leaf has shape {shape} and dtype {dtype}")
-        if storage in HOST_STORAGES and codec.needs_reference:
-            raise fail(lw, f"a {storage} leaf cannot be delta coded")
         if storage in ("scalar", "int", "float", "bool") and shape != ():
             raise fail(lw, f"a {storage} leaf has shape {shape}")
         key_impl = get(d, "key_impl", str, lw, None)
-        if key_impl is not None and (storage != "device" or dtype != np.uint32
-                                     or codec.needs_reference):
-            raise fail(lw, f"a PRNG key leaf ({key_impl!r}) is {storage} {dtype} "
-                        f"coded with {codec_config.get('id')!r}")
-        pieces = tuple(PieceRef.from_msgpack(p, lw) for p in get(d, "pieces", list, lw, []))
-        for p in pieces:
-            if p.field not in fields:
-                raise fail(lw, f"piece of unknown field {p.field!r}")
-            if not box_inside(p.box, shape) or (shape and not within_one_chunk(p.box, chunk)):
-                raise fail(lw, f"piece box {p.box} lies outside the leaf or its chunk")
+        pieces = _pieces(get(d, "pieces", list, lw, []), shape, chunk, lw)
+        _check_codec(codec, codec_config, storage, dtype, key_impl, pieces, lw)
         entry = cls(
             path=path,
             storage=storage,
@@ -299,6 +267,43 @@ class LeafEntry:
             pieces=pieces,
             sharding=sharding_string(get(d, "sharding", str, lw, None), lw),
         )
+        entry.__dict__["codec"] = codec  # the cached property, already computed
+        return entry
+
+    @classmethod
+    def parse_difference(cls, diff: dict[str, Any], base_raw: dict[str, Any],
+                         base: LeafEntry | None, where: str) -> LeafEntry:
+        """The entry a delta's difference ``diff`` stands for, from its base's entry (raw
+        and, where it parsed, validated): what :meth:`parse` of the merged entry
+        (:func:`inherit.expand`) returns, parsing and checking only what the delta stores
+        and what depends on it. A delta's leaf table differs from its base's in codecs, side
+        arrays, measured errors and its pieces' checksums, offsets and lengths; any other
+        difference (or a base entry that does not parse alone) takes :meth:`parse` of the
+        merged entry. A 360-leaf chain's 9 deltas: 3,240 entries, each parsed whole before."""
+        if base is None or not set(diff) <= _DIFFERENCE_KEYS:
+            return cls.parse(inherit.merged_entry(diff, base_raw), where)
+        pieces = base.pieces
+        if "pieces" in diff:
+            new = _inherited_pieces(diff["pieces"], base_raw.get("pieces"), base.pieces)
+            if new is None:  # pieces replaced whole, or a piece's field, box or file changed
+                return cls.parse(inherit.merged_entry(diff, base_raw), where)
+            pieces = new
+        lw = f"{where}: leaf {base.name!r}"
+        if "pieces" in diff:
+            pieces = _checked_pieces(pieces, lw)
+        codec, codec_config = base.codec, base.codec_config
+        if "codec" in diff:
+            codec_config = get(diff, "codec", dict, lw)
+            codec = _parsed_codec(codec_config, lw)
+        side = base.side if "side" not in diff else _side_arrays(
+            get(diff, "side", dict, lw, {}), lw)
+        rel_error = (get(diff, "rel_error", (float, int), lw, 0.0) if "rel_error" in diff
+                     else base.rel_error)
+        _check_codec(codec, codec_config, base.storage, base.dtype, base.key_impl, pieces, lw)
+        entry = cls(path=base.path, storage=base.storage, shape=base.shape, dtype=base.dtype,
+                    key_impl=base.key_impl, codec_config=dict(codec_config), chunk=base.chunk,
+                    side=side, role=base.role, rel_error=float(rel_error), pieces=pieces,
+                    sharding=base.sharding)
         entry.__dict__["codec"] = codec  # the cached property, already computed
         return entry
 
@@ -331,6 +336,99 @@ class LeafEntry:
                 raise fail(where, f"leaf {self.name!r} field {name!r}: two pieces overlap")
 
 
+#: the keys a delta's leaf entry may differ from its base's in for
+#: :meth:`LeafEntry.parse_difference` to build it from the parsed base entry
+_DIFFERENCE_KEYS = frozenset({"codec", "side", "rel_error", "pieces"})
+#: the keys a piece may differ from its base's piece in (its place in the file)
+_PIECE_DIFFERENCE_KEYS = frozenset({"crc32", "offset", "length"})
+
+
+def _parsed_codec(config: dict[str, Any], lw: str) -> Codec:
+    """The codec of a stored config (a FormatError names the leaf)."""
+    try:
+        return _codec_of(config, lw)
+    except LossyError:
+        raise
+    except Exception as e:  # a codec constructor rejecting odd values
+        raise fail(lw, f"bad codec config {str(config)[:200]} ({e})") from e
+
+
+def _side_arrays(side_map: dict[Any, Any], lw: str) -> dict[str, np.ndarray]:
+    """Validated side arrays of a leaf entry."""
+    side = {}
+    side_bytes = 0
+    if len(side_map) > MAX_SIDE_ARRAYS:
+        raise fail(lw, f"{len(side_map)} side arrays is more than any codec stores")
+    for name, s in side_map.items():
+        sw = f"{lw} side array {name!r}"
+        sd = dtype_of(get(s, "dtype", str, sw), sw)
+        sshape = shape_of(get(s, "shape", list, sw), sw)
+        data = get(s, "data", bytes, sw)
+        side_bytes += len(data)
+        if len(data) != math.prod(sshape) * sd.itemsize or side_bytes > MAX_SIDE_BYTES:
+            raise fail(sw, "has the wrong size")
+        if not isinstance(name, str):
+            raise fail(sw, "side array name is not a string")
+        side[name] = np.frombuffer(data, sd).reshape(sshape)
+    return side
+
+
+def _pieces(raw: list[Any], shape: tuple[int, ...], chunk: tuple[int, ...],
+            lw: str) -> tuple[PieceRef, ...]:
+    """Validated pieces of a leaf entry, each inside the leaf and one cell of its grid."""
+    pieces = tuple(PieceRef.from_msgpack(p, lw) for p in raw)
+    for p in pieces:
+        if not box_inside(p.box, shape) or (shape and not within_one_chunk(p.box, chunk)):
+            raise fail(lw, f"piece box {p.box} lies outside the leaf or its chunk")
+    return pieces
+
+
+def _inherited_pieces(diff: Any, base_raw: Any, base: tuple[PieceRef, ...]
+                      ) -> tuple[PieceRef, ...] | None:
+    """A delta's pieces from its base's when each differs only in its place in the file
+    (``inherit.merged`` merges them piece by piece); None where :meth:`LeafEntry.parse` of
+    the merged entry must decide (pieces replaced whole, or a field, box or file changed).
+    The values are checked by :func:`_checked_pieces`."""
+    if not inherit.maps_alike(diff, base_raw) or len(base) != len(diff):
+        return None
+    out = []
+    for d, b in zip(diff, base, strict=True):
+        if not set(d) <= _PIECE_DIFFERENCE_KEYS:
+            return None
+        out.append(PieceRef(b.field, b.box, b.file, d.get("offset", b.offset),
+                            d.get("length", b.length), d.get("crc32", b.crc32)) if d else b)
+    return tuple(out)
+
+
+def _checked_pieces(pieces: tuple[PieceRef, ...], lw: str) -> tuple[PieceRef, ...]:
+    """:meth:`PieceRef.from_msgpack`'s checks of a piece's place in the file."""
+    for p in pieces:
+        if not all(isinstance(v, int) and not isinstance(v, bool)
+                   for v in (p.offset, p.length, p.crc32)):
+            raise FormatError(f"{lw}: malformed piece entry {str(p)[:200]}")
+        if p.offset < 0 or p.length < 0:
+            raise FormatError(f"{lw}: impossible piece entry {str(p)[:200]}")
+    return pieces
+
+
+def _check_codec(codec: Codec, config: dict[str, Any], storage: str, dtype: np.dtype,
+                 key_impl: str | None, pieces: tuple[PieceRef, ...], lw: str) -> None:
+    """What a leaf's codec must agree with: its dtype, storage, key and pieces' fields."""
+    try:
+        fields = codec.field_dtypes(dtype)
+    except Exception as e:
+        raise fail(lw, f"codec {config.get('id')!r} cannot store dtype {dtype}") from e
+    if storage in HOST_STORAGES and codec.needs_reference:
+        raise fail(lw, f"a {storage} leaf cannot be delta coded")
+    if key_impl is not None and (storage != "device" or dtype != np.uint32
+                                 or codec.needs_reference):
+        raise fail(lw, f"a PRNG key leaf ({key_impl!r}) is {storage} {dtype} "
+                    f"coded with {config.get('id')!r}")
+    for p in pieces:
+        if p.field not in fields:
+            raise fail(lw, f"piece of unknown field {p.field!r}")
+
+
 _CODECS: dict[tuple, Codec] = {}
 #: distinct codec configs remembered by :func:`_codec_of`
 MAX_CACHED_CODECS = 1024
@@ -339,18 +437,24 @@ MAX_CACHED_CODECS = 1024
 def _codec_of(config: dict[str, Any], where: str) -> Codec:
     """``codec_from_config(config)``, the same instance for the same config (a manifest of
     a few hundred leaves names a handful of codecs; codecs are immutable)."""
-    scalars = (str, int, float, bool, type(None))
-    if not all(isinstance(k, str) and type(v) in scalars for k, v in config.items()):
-        return codec_from_config(config, where)  # lists or maps in the config: not cached
-    # the type is part of the key: 3, 3.0 and True are equal, but a codec may take one only
-    key = tuple(sorted((k, type(v).__name__, v) for k, v in config.items()))
-    codec = _CODECS.get(key)
+    key = []
+    for k, v in config.items():
+        kind = type(v)
+        if kind not in _SCALARS or type(k) is not str:  # lists or maps: not cached
+            return codec_from_config(config, where)
+        # the type is part of the key: 3, 3.0 and True are equal, but a codec may take one
+        key.append((k, kind, v))
+    cache_key = tuple(key)  # in stored order: the same config in another order is another key
+    codec = _CODECS.get(cache_key)
     if codec is None:
         codec = codec_from_config(config, where)
         if len(_CODECS) >= MAX_CACHED_CODECS:
             _CODECS.clear()
-        _CODECS[key] = codec
+        _CODECS[cache_key] = codec
     return codec
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
 def _overlap(group: list[PieceRef]) -> bool:
@@ -388,15 +492,19 @@ class Manifest:
         return {**self.header.to_msgpack(), "leaves": [x.to_msgpack() for x in self.leaves]}
 
     @classmethod
-    def parse(cls, body: Any, where: str) -> Manifest:
-        """Validate a whole manifest body."""
+    def parse(cls, body: Any, where: str, base: _Base | None = None) -> Manifest:
+        """Validate a whole manifest body (with ``base``: a delta's own leaf entries, the
+        differences among them merged with ``base``'s entries, see :mod:`inherit`)."""
         leaves = get(body, "leaves", list, where)
         if len(leaves) > MAX_LEAVES:
             raise fail(where, f"{len(leaves)} leaves is more than any writer produces")
         header = Header.parse(body, where)
         if header.chunk_bytes > MAX_CHUNK_BYTES:
             raise fail(where, f"chunk size {header.chunk_bytes} is larger than any we write")
-        parsed = tuple(LeafEntry.parse(leaf, where) for leaf in leaves)
+        if base is None:
+            parsed = tuple(LeafEntry.parse(leaf, where) for leaf in leaves)
+        else:
+            parsed = tuple(base.entry(i, leaf, where) for i, leaf in enumerate(leaves))
         for leaf in parsed:
             # The grid follows from the shape: a claimed chunk cannot make a piece (and so
             # the memory a restore allocates for it) larger than the writer's chunks.
@@ -411,11 +519,67 @@ class Manifest:
         return manifest
 
 
+class _Base:
+    """The leaf entries a delta's differences are merged with: raw, and parsed once per
+    entry for all the deltas of a chain while the base's entries are cached
+    (:func:`inherit.split`)."""
+
+    def __init__(self, raw: list[Any], parsed: list[Any] | None) -> None:
+        self.raw, self._parsed = raw, parsed
+
+    def entry(self, i: int, leaf: Any, where: str) -> LeafEntry:
+        """Entry ``i`` of the delta, ``leaf`` as stored (a difference, or complete)."""
+        if not isinstance(leaf, dict) or "path" in leaf:
+            return LeafEntry.parse(leaf, where)
+        if i >= len(self.raw) or not isinstance(self.raw[i], dict):
+            raise ChainError(f"{where}: leaf entry {i} inherits from the base's entry {i}, "
+                             f"which the base (of {len(self.raw)} leaves) does not have")
+        return LeafEntry.parse_difference(leaf, self.raw[i], self._base_entry(i), where)
+
+    def _base_entry(self, i: int) -> LeafEntry | None:
+        if self._parsed is None:
+            return None
+        entry = self._parsed[i]
+        if entry is _UNPARSED:
+            try:
+                entry = LeafEntry.parse(self.raw[i], "base")
+            except LossyError:  # a delta that overrides what does not parse: parsed whole
+                entry = None
+            self._parsed[i] = entry
+        return entry
+
+
+_UNPARSED = object()
+_PARSED_BASES: collections.OrderedDict[tuple[Any, ...], list[Any]] = collections.OrderedDict()
+_PARSED_LOCK = threading.Lock()
+
+
+def _base_of(raw: list[Any], key: tuple[Any, ...] | None) -> _Base:
+    """The base entries kept under ``key`` (parsed as the deltas need them)."""
+    if key is None:
+        return _Base(raw, None)
+    with _PARSED_LOCK:
+        parsed = _PARSED_BASES.get(key)
+        if parsed is None or len(parsed) != len(raw):
+            parsed = _PARSED_BASES[key] = [_UNPARSED] * len(raw)
+            while len(_PARSED_BASES) > 2:
+                _PARSED_BASES.popitem(last=False)
+        _PARSED_BASES.move_to_end(key)
+    return _Base(raw, parsed)
+
+
 def read_manifest(item_dir: os.PathLike | str) -> Manifest:
     """Read, check and parse ``<item_dir>/manifest.msgpack`` (a delta's leaf entries merged
     with its base's, :mod:`orbax_lossy.format.inherit`)."""
     path = os.path.join(os.fspath(item_dir), MANIFEST_NAME)
-    return Manifest.parse(_read_body(item_dir, copy=False), path)
+    body = read_envelope(path, "manifest")
+    if not isinstance(body, dict):
+        raise FormatError(f"{path}: manifest body is not a map")
+    found = inherit.split(os.fspath(item_dir), body, path)
+    if found is None:
+        return Manifest.parse(body, path)
+    own, leaves, base_leaves, key = found
+    return Manifest.parse({**own, "leaves": leaves}, path, _base_of(base_leaves, key))
 
 
 def read_manifest_header(item_dir: os.PathLike | str) -> Header:
