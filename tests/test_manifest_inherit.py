@@ -113,6 +113,7 @@ def test_a_rewritten_base_is_refused_not_merged(tmp_path) -> None:
 def test_a_replaced_base_is_refused(tmp_path) -> None:
     _save(tmp_path / "a", range(2))
     _save(tmp_path / "b", [0])  # another save of step 0, same values, another save id
+    fmt.read_manifest(_item(tmp_path / "a", 1))  # parsed and kept before the replacement
     shutil.rmtree(tmp_path / "a" / "0")
     shutil.copytree(tmp_path / "b" / "0", tmp_path / "a" / "0")
     with pytest.raises(ChainError, match="changed"):
@@ -278,3 +279,25 @@ def test_a_damaged_difference_fails_as_its_merged_entry_does(tmp_path, label, mu
         assert issubclass(full, ol.LossyError), (label, full)
     else:
         _same_entries(fast, full)
+
+
+def test_a_manifest_parses_once_per_content_and_its_base_is_checked_each_read(tmp_path):
+    """``read_manifest`` keeps what it parsed by path and content: the same bytes give the
+    same (immutable) manifest, rewritten bytes are parsed again, and a kept delta's base is
+    checked at every read (a deleted base is a typed error naming its step)."""
+    from orbax_lossy.format.envelope import write_envelope
+
+    _save(tmp_path, range(3))
+    item = _item(tmp_path, 2)
+    first = fmt.read_manifest(item)
+    assert fmt.read_manifest(item) is first
+    body = _raw(tmp_path, 2)
+    target = next(i for i, e in enumerate(body["leaves"]) if "rel_error" in e)
+    body["leaves"][target]["rel_error"] = 0.25
+    write_envelope(os.path.join(item, fmt.MANIFEST_NAME), "manifest", body)
+    again = fmt.read_manifest(item)
+    assert again is not first and again.leaves[target].rel_error == 0.25
+    shutil.rmtree(tmp_path / "0")
+    with pytest.raises(MissingStepError) as e:
+        fmt.read_manifest(item)
+    assert e.value.step == 0

@@ -203,15 +203,24 @@ def split(item_dir: str, body: Any, where: str
     if (not isinstance(link, dict) or not isinstance(link.get("relpath"), str)
             or not isinstance(link.get("crc32"), int)):
         raise ChainError(f"{where}: malformed base link {str(link)[:200]}")
-    from orbax_lossy.format.chain import reference_dir  # chain imports the manifest module
-
-    base_dir = reference_dir(abspath(item_dir), link["relpath"], root_of(abspath(item_dir)))
     leaves = body.get("leaves")
     if not isinstance(leaves, list):
         raise ChainError(f"{where}: leaf table is not a list")
     out = {k: v for k, v in body.items() if k != INHERITS_KEY}
-    base_leaves, key = _base_leaves_keyed(base_dir, link, where)
+    base_leaves, key = _base_leaves_keyed(_base_dir(item_dir, link), link, where)
     return out, leaves, base_leaves, key
+
+
+def check_base(item_dir: str, link: dict[str, Any], where: str) -> None:
+    """Raise as :func:`split` would if the base ``link`` names is missing or has changed
+    (for a delta whose entries were merged with it before)."""
+    _base_leaves_keyed(_base_dir(item_dir, link), link, where)
+
+
+def _base_dir(item_dir: str, link: dict[str, Any]) -> str:
+    from orbax_lossy.format.chain import reference_dir  # chain imports the manifest module
+
+    return reference_dir(abspath(item_dir), link["relpath"], root_of(abspath(item_dir)))
 
 
 # Bases read lately, by (manifest path, size, mtime, inode, link): a chain's deltas share one
