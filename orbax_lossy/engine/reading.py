@@ -174,18 +174,10 @@ def needed_pieces(pieces, regions) -> dict[tuple[str, int], Any]:
             if any(grid.intersect(p.box, r) is not None for r in regions)}
 
 
-def shard_regions(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> frozenset:
-    """The boxes this process's shards of a ``shape`` leaf on ``sharding`` cover."""
-    try:
-        return _shard_regions(tuple(shape), sharding)
-    except TypeError:  # an unhashable sharding
-        return _shard_regions.__wrapped__(tuple(shape), sharding)
-
-
 @functools.lru_cache(maxsize=1024)
-def _shard_regions(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> frozenset:
-    """:func:`shard_regions`, once per shape and sharding (a restore asks for every leaf of
-    every link)."""
+def shard_regions(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> frozenset:
+    """The boxes this process's shards of a ``shape`` leaf on ``sharding`` cover (cached: a
+    restore asks for every leaf of every link)."""
     return frozenset(grid.box_from_index(idx or (), shape)
                      for idx in sharding.addressable_devices_indices_map(shape).values())
 
@@ -286,13 +278,16 @@ class FieldRead:
         later, so even one piece decodes meanwhile); the rest are decoded in :meth:`result`,
         a lone piece's blocks on every thread."""
         if self._tasks and threads > 1 and (ahead or len(self._tasks) > 1):
-            pooled = [t for t in self._tasks
-                      if math.prod(grid.box_shape(t[0].box)) >= POOL_MIN_ELEMENTS]
+            pooled: list[tuple[Any, list[grid.Box]]] = []
+            here: list[tuple[Any, list[grid.Box]]] = []
+            for task in self._tasks:
+                large = math.prod(grid.box_shape(task[0].box)) >= POOL_MIN_ELEMENTS
+                (pooled if large else here).append(task)
             if pooled:
                 pool = piece_pool(threads)
                 self._futures = [pool.submit(self._place, *task, serial=True)
                                  for task in pooled]
-                self._tasks = [t for t in self._tasks if t not in pooled]
+                self._tasks = here
         return self
 
     def _place(self, p, regions: list[grid.Box], serial: bool = False) -> None:
@@ -344,7 +339,7 @@ def start_field(reader, pieces, codec, field, dtype, shape, sharding, where,
     """Start decoding the pieces of ``field`` that this process's shards on ``sharding``
     overlap (see :class:`FieldRead`; ``ahead``: its result is needed only later; ``take``:
     where uint8 fields get their host arrays, e.g. :meth:`HostBuffers.lender`)."""
-    return FieldRead(reader, pieces, codec, field, dtype, shard_regions(shape, sharding),
+    return FieldRead(reader, pieces, codec, field, dtype, shard_regions(tuple(shape), sharding),
                      where, take).start(threads, ahead)
 
 

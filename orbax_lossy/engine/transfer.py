@@ -139,10 +139,7 @@ def passes_as_host(sharding: jax.sharding.Sharding) -> bool:
     aligned array. A restore of 360 leaves through 10 links made 3,600 upload calls, 41 us
     each among the decoding threads (340 ms of a 1.5 s restore); the program's own argument
     handling takes a numpy array for a few microseconds."""
-    try:
-        return _passes_as_host(sharding, os.environ.get(TRANSFER_ENV, "auto"))
-    except TypeError:  # an unhashable sharding
-        return _passes_as_host.__wrapped__(sharding, os.environ.get(TRANSFER_ENV, "auto"))
+    return _passes_as_host(sharding, os.environ.get(TRANSFER_ENV, "auto"))
 
 
 @functools.lru_cache(maxsize=256)

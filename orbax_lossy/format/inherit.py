@@ -36,8 +36,9 @@ INHERITS_KEY = "inherits"
 STORED_BYTES = "stored_bytes"
 
 
-def _maps_alike(a: Any, b: Any) -> bool:
-    """Whether ``a`` and ``b`` are lists of maps of one length (a leaf's pieces)."""
+def maps_alike(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are lists of maps of one length (a leaf's pieces), which
+    :func:`merged` merges map by map."""
     return (isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
             and all(isinstance(x, dict) for x in a + b))
 
@@ -52,7 +53,7 @@ def difference(entry: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         elif base[k] != v:
             out[k] = ([{kk: vv for kk, vv in x.items() if kk not in y or y[kk] != vv}
                        for x, y in zip(v, base[k], strict=True)]
-                      if _maps_alike(v, base[k]) else v)
+                      if maps_alike(v, base[k]) else v)
     return out
 
 
@@ -64,7 +65,7 @@ def merged(diff: dict[str, Any], base: dict[str, Any], copy: bool = True) -> dic
     out = {k: c(v) for k, v in base.items()}
     for k, v in diff.items():
         out[k] = ([{**c(y), **c(x)} for x, y in zip(v, base[k], strict=True)]
-                  if k in base and _maps_alike(v, base[k]) else c(v))
+                  if k in base and maps_alike(v, base[k]) else c(v))
     return out
 
 
@@ -94,11 +95,6 @@ def compact(leaves: list[dict[str, Any]], base_leaves: list[Any]) -> list[dict[s
                 continue
         out.append(entry)
     return out
-
-
-def maps_alike(a: Any, b: Any) -> bool:
-    """Whether :func:`merged` merges the lists ``a`` and ``b`` map by map (pieces)."""
-    return _maps_alike(a, b)
 
 
 def merged_entry(diff: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:

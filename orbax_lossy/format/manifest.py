@@ -11,8 +11,6 @@ naming the file and the leaf.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import contextlib
 import dataclasses
 import math
 import os
@@ -291,15 +289,13 @@ class LeafEntry:
         merged entry. A 360-leaf chain's 9 deltas: 3,240 entries, each parsed whole before."""
         if base is None or not set(diff) <= _DIFFERENCE_KEYS:
             return cls.parse(inherit.merged_entry(diff, base_raw), where)
+        lw = f"{where}: leaf {base.name!r}"
         pieces = base.pieces
         if "pieces" in diff:
-            new = _inherited_pieces(diff["pieces"], base_raw.get("pieces"), base.pieces)
-            if new is None:  # pieces replaced whole, or a piece's field, box or file changed
+            moved = _moved_pieces(diff["pieces"], base_raw.get("pieces"), base.pieces, lw)
+            if moved is None:  # replaced whole, or a piece's field, box or file changed
                 return cls.parse(inherit.merged_entry(diff, base_raw), where)
-            pieces = new
-        lw = f"{where}: leaf {base.name!r}"
-        if "pieces" in diff:
-            pieces = _checked_pieces(pieces, lw)
+            pieces = moved
         codec, codec_config = base.codec, base.codec_config
         if "codec" in diff:
             codec_config = get(diff, "codec", dict, lw)
@@ -392,32 +388,17 @@ def _pieces(raw: list[Any], shape: tuple[int, ...], chunk: tuple[int, ...],
     return pieces
 
 
-def _inherited_pieces(diff: Any, base_raw: Any, base: tuple[PieceRef, ...]
-                      ) -> tuple[PieceRef, ...] | None:
+def _moved_pieces(diff: Any, base_raw: Any, base: tuple[PieceRef, ...], lw: str
+                  ) -> tuple[PieceRef, ...] | None:
     """A delta's pieces from its base's when each differs only in its place in the file
-    (``inherit.merged`` merges them piece by piece); None where :meth:`LeafEntry.parse` of
-    the merged entry must decide (pieces replaced whole, or a field, box or file changed).
-    The values are checked by :func:`_checked_pieces`."""
+    (``inherit.merged`` merges them piece by piece; checked by :meth:`PieceRef.moved`);
+    None where :meth:`LeafEntry.parse` of the merged entry must decide (pieces replaced
+    whole, or a piece's field, box or file changed)."""
     if not inherit.maps_alike(diff, base_raw) or len(base) != len(diff):
         return None
-    out = []
-    for d, b in zip(diff, base, strict=True):
-        if not set(d) <= _PIECE_DIFFERENCE_KEYS:
-            return None
-        out.append(PieceRef(b.field, b.box, b.file, d.get("offset", b.offset),
-                            d.get("length", b.length), d.get("crc32", b.crc32)) if d else b)
-    return tuple(out)
-
-
-def _checked_pieces(pieces: tuple[PieceRef, ...], lw: str) -> tuple[PieceRef, ...]:
-    """:meth:`PieceRef.from_msgpack`'s checks of a piece's place in the file."""
-    for p in pieces:
-        if not all(isinstance(v, int) and not isinstance(v, bool)
-                   for v in (p.offset, p.length, p.crc32)):
-            raise FormatError(f"{lw}: malformed piece entry {str(p)[:200]}")
-        if p.offset < 0 or p.length < 0:
-            raise FormatError(f"{lw}: impossible piece entry {str(p)[:200]}")
-    return pieces
+    if not all(set(d) <= _PIECE_DIFFERENCE_KEYS for d in diff):
+        return None
+    return tuple(b.moved(d, lw) if d else b for d, b in zip(diff, base, strict=True))
 
 
 def _check_codec(codec: Codec, config: dict[str, Any], storage: str, dtype: np.dtype,
@@ -579,12 +560,10 @@ def _base_of(raw: list[Any], key: tuple[Any, ...] | None) -> _Base:
 
 #: manifests parsed lately, by (path, inflated body length, its crc32), with the base link
 #: of a delta (checked again at every read): a restore reads its chain's manifests once to
-#: plan and once to restore, and a manager compiling ahead reads them before its restore (a
-#: new process's first restore of a 360-leaf chain spent 640 ms in walk_chain while that ran)
+#: plan and once to restore, and a manager compiling ahead reads them before its restore
 _MANIFESTS: collections.OrderedDict[tuple[Any, ...], tuple[Manifest, Any]] = (
     collections.OrderedDict())
 _MANIFESTS_LOCK = threading.Lock()
-_PARSING: dict[tuple[Any, ...], concurrent.futures.Future] = {}
 _MANIFESTS_KEPT = 32
 #: larger manifests (inflated bytes) are parsed at every read, not kept
 _MANIFEST_CACHE_BYTES = 4 << 20
@@ -600,42 +579,22 @@ def read_manifest(item_dir: os.PathLike | str) -> Manifest:
     raw = read_envelope_bytes(path, "manifest")
     key = None if is_remote(path) or len(raw) > _MANIFEST_CACHE_BYTES else (
         os.path.abspath(path), len(raw), crc32(raw))
-    if key is None:
-        return _parse_manifest(item_dir, raw, path)[0]
-    mine: concurrent.futures.Future | None = None
-    pending: concurrent.futures.Future | None = None
-    with _MANIFESTS_LOCK:
-        hit = _MANIFESTS.get(key)
+    if key is not None:
+        with _MANIFESTS_LOCK:
+            hit = _MANIFESTS.get(key)
+            if hit is not None:
+                _MANIFESTS.move_to_end(key)
         if hit is not None:
-            _MANIFESTS.move_to_end(key)
-        else:  # another thread parsing the same bytes: wait for its result
-            pending = _PARSING.get(key)
-            if pending is None:
-                mine = _PARSING[key] = concurrent.futures.Future()
-    if pending is not None:
-        with contextlib.suppress(Exception):  # its failure: parsed (and raised) here
-            hit = pending.result()
-    if hit is not None:
-        manifest, link = hit
-        if link is not None:
-            inherit.check_base(item_dir, link, path)
-        return manifest
-    try:
-        manifest, link = _parse_manifest(item_dir, raw, path)
-    except BaseException as e:
-        if mine is not None:
-            with _MANIFESTS_LOCK:
-                del _PARSING[key]
-            mine.set_exception(e)
-        raise
-    with _MANIFESTS_LOCK:
-        _MANIFESTS[key] = (manifest, link)
-        while len(_MANIFESTS) > _MANIFESTS_KEPT:
-            _MANIFESTS.popitem(last=False)
-        if mine is not None:
-            del _PARSING[key]
-    if mine is not None:
-        mine.set_result((manifest, link))
+            manifest, link = hit
+            if link is not None:
+                inherit.check_base(item_dir, link, path)
+            return manifest
+    manifest, link = _parse_manifest(item_dir, raw, path)
+    if key is not None:
+        with _MANIFESTS_LOCK:
+            _MANIFESTS[key] = (manifest, link)
+            while len(_MANIFESTS) > _MANIFESTS_KEPT:
+                _MANIFESTS.popitem(last=False)
     return manifest
 
 
@@ -668,17 +627,11 @@ def read_manifest_body(item_dir: os.PathLike | str) -> dict[str, Any]:
     its base's): checksummed, not validated (for tools and tests that inspect or rewrite the
     format; everything else uses :func:`read_manifest`). Written back with
     :func:`~orbax_lossy.format.envelope.write_envelope`, it is a valid whole manifest."""
-    return _read_body(item_dir, copy=True)
-
-
-def _read_body(item_dir: os.PathLike | str, copy: bool) -> dict[str, Any]:
-    """The manifest body with complete leaf entries (sharing a cached base's values unless
-    ``copy``: only for parsing, which modifies nothing)."""
     path = os.path.join(os.fspath(item_dir), MANIFEST_NAME)
     body = read_envelope(path, "manifest")
     if not isinstance(body, dict):
         raise FormatError(f"{path}: manifest body is not a map")
-    return inherit.unpack(os.fspath(item_dir), body, path, copy)
+    return inherit.unpack(os.fspath(item_dir), body, path, copy=True)
 
 
 def write_manifest(item_dir: os.PathLike | str, manifest: Manifest) -> None:

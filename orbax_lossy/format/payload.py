@@ -92,6 +92,19 @@ class PieceRef:
             raise FormatError(f"{where}: piece file name {ref.file!r} is not allowed")
         return ref
 
+    def moved(self, d: dict[str, Any], where: str) -> PieceRef:
+        """This piece at the place ``d`` gives (any of ``offset``, ``length``, ``crc32``; a
+        delta's piece stored as its difference from its base's), checked as
+        :meth:`from_msgpack` checks them."""
+        try:
+            ref = PieceRef(self.field, self.box, self.file, _int(d.get("offset", self.offset)),
+                           _int(d.get("length", self.length)), _int(d.get("crc32", self.crc32)))
+        except TypeError as e:
+            raise FormatError(f"{where}: malformed piece entry {str(d)[:200]}") from e
+        if ref.offset < 0 or ref.length < 0:
+            raise FormatError(f"{where}: impossible piece entry {str(d)[:200]}")
+        return ref
+
 
 class PayloadWriter:
     """Appends pieces to one process's data file and records their location and crc32."""
