@@ -117,18 +117,22 @@ def test_kernel_matches_the_xla_program(codec, value: np.ndarray, reference: np.
     assert np.all(ok), float(np.max((error - bound)[~ok]))
 
 
-@pytest.mark.parametrize("codec", [ol.LC(3), ol.LC(2, domain="log"), ol.Step(2.5),
-                                   ol.Step(4.0, mode="direct")], ids=str)
-@pytest.mark.parametrize("bad", ["nan value", "inf reference", "overflowing delta",
-                                 "negative recon"])
+@pytest.mark.parametrize("codec", [ol.LC(3), ol.LC(3, mode="direct"), ol.LC(2, domain="log"),
+                                   ol.Step(2.5), ol.Step(4.0, mode="direct")], ids=str)
+@pytest.mark.parametrize("bad", ["nan value", "-inf value", "inf reference", "nan reference",
+                                 "overflowing delta", "negative recon"])
 def test_guard_decides_as_the_xla_program(codec, bad: str):
     rng = np.random.default_rng(3)
     ref = np.abs(rng.standard_normal(1000)).astype(np.float32) + 1
     value = ref * np.float32(1.01)
     if bad == "nan value":
         value[17] = np.nan
+    elif bad == "-inf value":
+        value[400] = -np.inf
     elif bad == "inf reference":
         ref[3] = np.inf
+    elif bad == "nan reference":
+        ref[999] = np.nan
     elif bad == "overflowing delta":
         value[5], ref[5] = np.float32(3e38), np.float32(-3e38)
     else:  # a large decrease on a non-negative leaf: Step would decode it below zero
@@ -229,3 +233,18 @@ def test_widths_sharing_one_statistics_pass_encode_as_each_alone(domain: str, su
         assert got["side"].keys() == alone["side"].keys()
         for name in alone["side"]:
             np.testing.assert_array_equal(_bits(got["side"][name]), _bits(alone["side"][name]))
+
+
+@pytest.mark.parametrize("codec", [ol.LC(3), ol.LC(3, mode="direct")], ids=str)
+def test_a_non_finite_element_in_a_later_range_is_seen(codec):
+    """A leaf split over the cores' ranges (``SPLIT_ELEMENTS``): a NaN in the last range
+    makes the save store it exactly, as XLA's guard decides."""
+    n = 2 * cpu_encode.SPLIT_ELEMENTS + 7
+    rng = np.random.default_rng(5)
+    ref = rng.standard_normal(n).astype(np.float32)
+    value = ref + np.float32(1e-3)
+    value[n - 2] = np.nan
+    v, r = jnp.asarray(value), jnp.asarray(ref)
+    host = cpu_encode.encode(v, r, codec, cpu_encode.host_kernel(v, r, codec))
+    assert not bool(host["safe"])
+    assert not bool(jax.device_get(_xla(codec, v, r if codec.needs_reference else None))["safe"])

@@ -182,9 +182,12 @@ def lc_statistics_kernel(kind: int, daz: bool) -> Callable[..., tuple]:
         bad, negative, subnormal = flags
         v = _flush(value[i], daz)
         r = _flush(reference[i], daz) if has_ref else np.float32(0.0)
-        bad |= _nonfinite(v) | _nonfinite(r) | _nonfinite(v - r)
+        if log:
+            bad |= _nonfinite(v) | _nonfinite(r) | _nonfinite(v - r)
+        # (else the coded value, v - r or v, is not finite where v or r is not: its slot
+        # tells, after the loop)
         negative |= v < 0
-        subnormal |= _subnormal(value[i]) | _subnormal(r)
+        subnormal |= _subnormal(value[i]) | (_subnormal(reference[i]) if has_ref else False)
         if log:
             newborn = max(newborn, _pick((r <= 0) & (v > 0), v, np.float32(0.0)))
         x = _coded(v, r, kind)
@@ -226,6 +229,8 @@ def lc_statistics_kernel(kind: int, daz: bool) -> Callable[..., tuple]:
                 bottom[slot] = min(bottom[slot], bottoms[lane, slot])
                 count[slot] += counts[lane, slot]
         bad, negative, subnormal = flags
+        if not log:  # slots 255 and 511: infinities and NaNs of either sign
+            bad |= (count[255] > 0) | (count[511] > 0)
         return not bad, not negative, subnormal, newborn
 
     return lc_statistics
