@@ -147,3 +147,32 @@ def test_host_buffers_keep_an_array_a_live_value_uses() -> None:
     assert first.ctypes.data == free.ctypes.data  # the free one comes back ...
     assert second.ctypes.data not in (kept.ctypes.data, free.ctypes.data)  # ... the kept never
     assert (np.asarray(value) == 7).all()
+
+
+def test_an_exact_leaf_restores_as_its_decoded_array_and_donates_safely(tmp_path,
+                                                                      monkeypatch) -> None:
+    """On one CPU device an exact leaf's restore runs no program: its array is the memory its
+    pieces decoded into. Donating it to a training step leaves the manager's reference (a
+    copy) intact, so the next delta save and its restore hold what was saved."""
+    w = jnp.linspace(-2.0, 3.0, 96 * 80, dtype=jnp.float32).reshape(96, 80)
+    state = {"w": w, "count": jnp.asarray(7, jnp.int32)}
+    # a lossless base (the default policy's bases store parameters with 8-bit clusters)
+    mngr = ol.checkpoint_manager(tmp_path, max_to_keep=None, policy=ol.LeafPolicy.lossless())
+    mngr.save(0, args=ol.LossySave(state))
+    mngr.close()
+    programs = []
+    real = device.decode_links
+    monkeypatch.setattr(device, "decode_links", lambda *a, **k: programs.append(1) or real(*a, **k))
+    fresh = ol.checkpoint_manager(tmp_path, max_to_keep=None)  # lossy deltas from here on
+    restored = fresh.restore(0)
+    assert programs == []  # the base stores both leaves exactly
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(w))
+    assert restored["w"].sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    stepped = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)(restored)
+    np.testing.assert_array_equal(np.asarray(stepped["w"]), np.asarray(w) + 1)
+    fresh.save(1, args=ol.LossySave(stepped))
+    fresh.close()
+    assert read_manifest(tmp_path / "1" / "default").header.save_type == "delta"
+    again = ol.checkpoint_manager(tmp_path, max_to_keep=None).restore(1)
+    np.testing.assert_allclose(np.asarray(again["w"]), np.asarray(w) + 1, rtol=0.05, atol=0.05)
+    assert int(again["count"]) == 8
