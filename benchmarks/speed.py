@@ -28,6 +28,10 @@ Printed per size and config (medians; ratio = lossy / plain Orbax in the same ru
 
 Also the device encode throughput of the jitted program alone for LC(3) float32.
 
+Where a size's configs would not fit the machine's available memory in one process (1 GB with
+three configs on 24 GB: :func:`config_groups`), they run in groups, one process and one table
+each, every table with its own plain Orbax rows.
+
     python benchmarks/speed.py                 # 64 MB and 256 MB
     python benchmarks/speed.py --sizes 64,256,1024 --configs default,lc
     python benchmarks/speed.py --sizes 64 --leaves 120   # 360 leaves, as a 12-layer model
@@ -292,6 +296,41 @@ def fresh_process(config: str, size_mb: int, root: str) -> dict[str, float]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+# ---------------------------------------------------------------------------- memory
+
+#: what a :func:`run_size` takes from the machine's available memory at its peak, in states
+#: (conservative; the page cache of the checkpoints it writes is counted as available): this
+#: much for the states it evolves, plain Orbax and a restore child ...
+RUN_STATES = 6.0
+#: ... and this much more per lossy config (its manager's references, its restores). Three
+#: configs at 1 GB, where these give 22.5 states, were killed on a 23 GiB machine.
+CONFIG_STATES = 5.5
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def config_groups(configs: list[str], size_mb: int, memory: int | None) -> list[list[str]]:
+    """``configs`` cut into runs that fit ``memory`` (each run measures plain Orbax too, so
+    its ratios stay paired): all in one run when they fit or ``memory`` is unknown, else as
+    many per run as fit, at least one. (A 1 GB run of three configs in one process peaked
+    above 14.5 GB and was killed on a 23 GiB machine.)"""
+    if memory is None:
+        return [configs]
+    state = size_mb * MB
+    per_run = max(1, int((memory / state - RUN_STATES) // CONFIG_STATES))
+    return [configs[i:i + per_run] for i in range(0, len(configs), per_run)]
+
+
 # ---------------------------------------------------------------------------- one size
 
 
@@ -418,25 +457,38 @@ def main() -> None:
     parser.add_argument("--encode-only", action="store_true", help="only device encode GB/s")
     parser.add_argument("--leaves", type=int, default=LEAVES_PER_TREE,
                         help="leaves per tree (params, mu and nu each)")
+    parser.add_argument("--tables-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.leaves != LEAVES_PER_TREE:  # re-run with it in the environment (children too)
         os.environ["ORBAX_LOSSY_SPEED_LEAVES"] = str(args.leaves)
         os.execv(sys.executable, [sys.executable, *sys.argv])
-    print(f"{3 * LEAVES_PER_TREE} leaves")
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs")
-    xla, ours = device_encode_gbps(), device_encode_gbps(path="save")
-    print(f"encode of one 64 MB leaf, LC(3) float32 delta: XLA program {xla:.2f} GB/s, "
-          f"the save's encode {ours:.2f} GB/s")
+    if not args.tables_only:
+        print(f"{3 * LEAVES_PER_TREE} leaves")
+        print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs")
+        xla, ours = device_encode_gbps(), device_encode_gbps(path="save")
+        print(f"encode of one 64 MB leaf, LC(3) float32 delta: XLA program {xla:.2f} GB/s, "
+              f"the save's encode {ours:.2f} GB/s", flush=True)
     if args.encode_only:
         return
-    root = tempfile.mkdtemp(prefix="orbax_lossy_speed_")
-    try:
-        for size in (int(s) for s in args.sizes.split(",")):
-            table = run_size(size, args.configs.split(","), root, args.restores,
-                             not args.no_fresh)
-            report(size, table)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    configs = args.configs.split(",")
+    for size in (int(s) for s in args.sizes.split(",")):
+        groups = config_groups(configs, size, available_memory())
+        if len(groups) == 1:
+            root = tempfile.mkdtemp(prefix="orbax_lossy_speed_")
+            try:
+                report(size, run_size(size, configs, root, args.restores, not args.no_fresh))
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            continue
+        print(f"\n({size} MB: {len(configs)} configs do not fit this machine's memory in one "
+              f"process; they run as {' | '.join(','.join(g) for g in groups)}, one process "
+              f"each, every one with plain Orbax: compare ratios within a table)", flush=True)
+        for group in groups:  # a process each: a run's memory is returned when it ends
+            subprocess.run(
+                [sys.executable, __file__, "--tables-only", "--sizes", str(size),
+                 "--configs", ",".join(group), "--restores", str(args.restores),
+                 *(["--no-fresh"] if args.no_fresh else [])],
+                check=True)
 
 
 if __name__ == "__main__":
