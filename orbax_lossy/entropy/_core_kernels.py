@@ -192,13 +192,13 @@ def deserialize_lengths(data: np.ndarray, pos: int, a: int, lens: np.ndarray) ->
 def kraft_total(lens: np.ndarray, max_len: int) -> int:
     """Sum of ``2**(max_len - length)`` over the nonzero lengths (``2**max_len``: a complete
     code); ``-1`` if a length exceeds ``max_len``."""
-    total = np.int64(0)
+    total = 0  # Python ints: numba types them int64, numpy's stubs accept them
     for i in range(lens.size):
-        ln = np.int64(lens[i])
+        ln = int(lens[i])
         if ln > max_len:
             return -1
         if ln:
-            total += np.int64(1) << (max_len - ln)
+            total += 1 << (max_len - ln)
     return int(total)
 
 

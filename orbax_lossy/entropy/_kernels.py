@@ -472,11 +472,11 @@ def tuple_tables(lens: np.ndarray, used: np.ndarray, k: int, window_bits: int):
     and ``info, obytes`` the ``byte_table``."""
     alpha = lens.size
     m = used.size
-    bits = np.int64(0)
+    bits = 0  # Python ints here and below: numba types them int64, numpy's stubs accept them
     for s in range(alpha):
-        bits = max(bits, np.int64(lens[s]))
+        bits = max(bits, int(lens[s]))
     if bits == 0:
-        bits = np.int64(1)
+        bits = 1
     # canonical order (length, symbol): each length's entries start after the shorter ones
     count = np.zeros(16, np.int64)
     for s in range(alpha):
@@ -489,7 +489,7 @@ def tuple_tables(lens: np.ndarray, used: np.ndarray, k: int, window_bits: int):
             p += count[length] << (bits - length)
     lut = np.zeros(1 << bits, np.int32)
     for s in range(alpha):
-        ln = np.int64(lens[s])
+        ln = int(lens[s])
         if ln:
             e = np.int32((s << 4) | ln)
             q = nxt[ln]
