@@ -420,5 +420,5 @@ def decode_symbol_field(data: bytes, shape: tuple[int, ...], alphabet: int) -> n
     A symbol outside the alphabet would index past a codebook on device, where JAX clamps
     indices silently, so it is rejected here as corrupted data.
     """
-    n = int(np.prod(shape, dtype=np.int64))
+    n = math.prod(shape)  # (per piece: math.prod takes 3 us less than np.prod)
     return decode_symbols(data, n, alphabet).reshape(shape)
