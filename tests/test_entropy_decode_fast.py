@@ -226,22 +226,25 @@ def _incomplete_stream(sym: np.ndarray, k: int) -> bytes:
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_bad_code_in_either_block_of_a_pair(k: int, monkeypatch) -> None:
+def test_bad_code_in_any_block_of_a_group(k: int, monkeypatch) -> None:
     """An incomplete code table, all-ones bytes (bit patterns that are no code) placed in
-    the first, the second or both blocks decoded together, at block starts, middles and
-    ends: the first failing block decides, as in the reference decoder."""
+    one or two of the blocks decoded together (groups of four, two and one), at block
+    starts, middles and ends: the first failing block decides, as in the reference
+    decoder."""
     rng = np.random.default_rng(5 + k)
-    sym = _source(rng, 4 * BLOCK + 77, 7 if k > 1 else 60, 0.7 if k > 1 else 0.93)
+    # 7 blocks: four decoded together, then two, then one
+    sym = _source(rng, 6 * BLOCK + 77, 7 if k > 1 else 60, 0.7 if k > 1 else 0.93)
     data = _incomplete_stream(sym, k)
     pos, nb = _block_sizes_offset(data)
     sizes = np.frombuffer(data[pos : pos + 4 * nb], "<u4").astype(np.int64)
     starts = pos + 4 * nb + np.concatenate(([0], np.cumsum(sizes)[:-1]))
     assert _same(data, sym.size, monkeypatch) == ("ok", sym.tobytes())
     seen = set()
-    damage = [[(b, at)] for b in (0, 1, 2, 3, 4) for at in (0, 3, 100, 2000, -40, -12, -7, -2)]
+    damage = [[(b, at)] for b in range(7) for at in (0, 3, 100, 2000, -40, -12, -7, -2)]
     damage += [[(0, at), (1, at)] for at in (3, 100, -12, -2)]
     damage += [[(0, -2), (1, 100)], [(0, -7), (1, 3)], [(2, -2), (3, 50)], [(1, 40), (3, 3)]]
     damage += [[(0, 100), (1, -2)], [(2, 9), (3, -2)], [(3, -2), (4, 100)]]
+    damage += [[(4, -2), (5, 100)], [(5, 3), (6, -7)], [(1, -12), (5, -2)], [(3, 100), (6, 3)]]
     for spots in damage:
         bad = bytearray(data)
         for b, at in spots:
