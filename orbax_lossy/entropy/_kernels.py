@@ -568,26 +568,24 @@ def _be64_at(typingctx, address, idx):
     return types.uint64(address, idx), codegen
 
 
-@intrinsic
-def _u16_at(typingctx, address, idx):
-    """Element ``idx`` of the uint16 array at ``address``, as an int64."""
+def _int_loader(name: str, bits: int, signed: bool):
+    """An intrinsic ``name(address, idx)``: element ``idx`` of the ``bits``-bit integer array
+    at ``address``, widened to int64 (sign-extended where ``signed``)."""
 
-    def codegen(context, builder, sig, args):
-        value = builder.load(_element_pointer(builder, args[0], args[1], 2, ir.IntType(16)))
-        return builder.zext(value, ir.IntType(64))
+    def load(typingctx, address, idx):
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(builder, args[0], args[1], bits // 8, ir.IntType(bits))
+            widen = builder.sext if signed else builder.zext
+            return widen(builder.load(ptr), ir.IntType(64))
 
-    return types.int64(address, idx), codegen
+        return types.int64(address, idx), codegen
+
+    load.__name__ = load.__qualname__ = name
+    return intrinsic(load)
 
 
-@intrinsic
-def _i32_at(typingctx, address, idx):
-    """Element ``idx`` of the int32 array at ``address``, as an int64."""
-
-    def codegen(context, builder, sig, args):
-        value = builder.load(_element_pointer(builder, args[0], args[1], 4, ir.IntType(32)))
-        return builder.sext(value, ir.IntType(64))
-
-    return types.int64(address, idx), codegen
+_u16_at = _int_loader("_u16_at", 16, signed=False)  # the byte table's info entries
+_i32_at = _int_loader("_i32_at", 32, signed=True)  # the code lookup table's entries
 
 
 @intrinsic
