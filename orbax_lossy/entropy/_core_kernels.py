@@ -199,7 +199,7 @@ def kraft_total(lens: np.ndarray, max_len: int) -> int:
             return -1
         if ln:
             total += 1 << (max_len - ln)
-    return int(total)
+    return total
 
 
 @njit(nogil=True, cache=True, inline="always")
