@@ -70,6 +70,32 @@ def segment_ids(x: jax.Array) -> tuple[jax.Array, int]:
     return ids.astype(jnp.int16 if n_buckets < 2**15 else jnp.int32), n_buckets
 
 
+#: Rows of bucket slots that :func:`_bucket_extremes` spreads neighbouring elements over.
+EXTREME_ROWS = 4
+
+
+def _bucket_extremes(
+    flat: jax.Array, seg: jax.Array, n_buckets: int
+) -> tuple[jax.Array, jax.Array]:
+    """Per bucket id below ``n_buckets``, the maximum and minimum of ``flat`` (``-inf`` and
+    ``inf`` for an empty bucket; id ``n_buckets`` is dropped).
+
+    Neighbouring elements mostly share a bucket, so a scatter into one row of slots updates
+    the slot its previous element just wrote: element ``i`` goes to row ``i % EXTREME_ROWS``
+    instead, and the rows are reduced after (the same maxima and minima, exactly).
+    """
+    slots = n_buckets + 1
+    if flat.size < 4 * EXTREME_ROWS * slots:
+        return (jax.ops.segment_max(flat, seg, num_segments=slots)[:-1],
+                jax.ops.segment_min(flat, seg, num_segments=slots)[:-1])
+    row = jax.lax.iota(jnp.int32, flat.size) % EXTREME_ROWS
+    ids = seg.astype(jnp.int32) + row * slots
+    top = jax.ops.segment_max(flat, ids, num_segments=EXTREME_ROWS * slots)
+    bottom = jax.ops.segment_min(flat, ids, num_segments=EXTREME_ROWS * slots)
+    return (top.reshape(EXTREME_ROWS, slots).max(axis=0)[:-1],
+            bottom.reshape(EXTREME_ROWS, slots).min(axis=0)[:-1])
+
+
 def promote(
     delta: jax.Array, bits: int, lift: jax.Array | None = None, reserve: int = 0
 ) -> tuple[jax.Array, jax.Array]:
@@ -90,8 +116,7 @@ def promote(
     # temporaries). A bucket's elements are >= tiny > 0 in magnitude, so it is present
     # exactly when its maximum magnitude is (an empty segment's maximum is -inf).
     seg, n_buckets = segment_ids(flat)
-    top_of = jax.ops.segment_max(flat, seg, num_segments=n_buckets + 1)[:-1]
-    bottom_of = jax.ops.segment_min(flat, seg, num_segments=n_buckets + 1)[:-1]
+    top_of, bottom_of = _bucket_extremes(flat, seg, n_buckets)
     negative = jnp.arange(n_buckets) % 2 == 1
     max_mag = jnp.where(negative, -bottom_of, top_of)
     min_mag = jnp.where(negative, -top_of, bottom_of)
