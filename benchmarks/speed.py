@@ -14,7 +14,9 @@ Printed per size and config (medians; ratio = lossy / plain Orbax in the same ru
 * ``fresh base`` / ``fresh delta``: the same for the first two saves of a fresh process (run in
   a subprocess: compilation and numba caches cold, unless the persistent caches are on);
 * ``after restore``: ``save()`` blocking right after restoring the chain's newest step;
-* ``commit``: ``save()`` call to committed (``wait_until_finished``), delta saves;
+* ``commit delta`` / ``commit base``: ``save()`` call to committed (``wait_until_finished``),
+  the median of the 9 delta saves / the run's one base save (programs compiled in the
+  warm-up; a base codes every leaf whole, with the policy's base codecs);
 * ``restore``: restore of the newest step of the 9-delta chain in a fresh manager (after a
   warm-up restore of a shorter chain, so the decode programs are compiled);
 * ``fresh restore``: the same restore as the first of a fresh process (a subprocess, as a
@@ -405,8 +407,8 @@ def run_size(size_mb: int, configs: list[str], root: str, restores: int,
 
 
 COLUMNS = ("block base", "block delta", "async_save", "fresh base", "fresh delta",
-           "after restore", "commit delta", "restore", "fresh restore", "fresh restore mf",
-           "rss save", "rss restore")
+           "after restore", "commit delta", "commit base", "restore", "fresh restore",
+           "fresh restore mf", "rss save", "rss restore")
 
 
 def report(size_mb: int, table: dict[str, dict[str, float]]) -> None:
