@@ -19,7 +19,9 @@ from orbax_lossy.engine import cpu_encode, device
 
 CODECS = [ol.LC(1), ol.LC(2), ol.LC(3), ol.LC(8), ol.LC(3, mode="direct"),
           ol.LC(2, domain="log"), ol.LC(4, domain="log"),
-          ol.Step(0.05), ol.Step(2.5), ol.Step(4.0, mode="direct")]
+          ol.Step(0.05), ol.Step(2.5), ol.Step(4.0, mode="direct"),
+          ol.Cluster(1), ol.Cluster(3), ol.Cluster(8), ol.Cluster(3, mode="delta"),
+          ol.Cluster(8, mode="delta", iters=4, sample=1024)]
 IDS = [str(c).replace(" ", "") for c in CODECS]
 
 
@@ -92,9 +94,11 @@ def test_kernel_matches_the_xla_program(codec, value: np.ndarray, reference: np.
     assert host["fields"]["sym"].dtype == np.uint8 and host["fields"]["sym"].shape == v.shape
     # the restore's decode (XLA) reproduces the reconstruction the save keeps as reference
     np.testing.assert_array_equal(_bits(_xla_decode(codec, host, ref)), _bits(host["recon"]))
-    if isinstance(codec, ol.LC) and codec.domain == "linear":
+    if isinstance(codec, ol.LC | ol.Cluster) and codec.domain == "linear":
         np.testing.assert_array_equal(host["fields"]["sym"], xla["fields"]["sym"])
-        np.testing.assert_array_equal(_bits(host["side"]["rep"]), _bits(xla["side"]["rep"]))
+        assert set(host["side"]) == set(xla["side"])
+        for name, side in host["side"].items():
+            np.testing.assert_array_equal(_bits(side), _bits(xla["side"][name]))
         np.testing.assert_array_equal(_bits(host["recon"]), _bits(xla["recon"]))
     else:  # a step from another summation order, ratios from another log: nearly the same
         agree = np.mean(host["fields"]["sym"] == xla["fields"]["sym"])
@@ -118,7 +122,8 @@ def test_kernel_matches_the_xla_program(codec, value: np.ndarray, reference: np.
 
 
 @pytest.mark.parametrize("codec", [ol.LC(3), ol.LC(3, mode="direct"), ol.LC(2, domain="log"),
-                                   ol.Step(2.5), ol.Step(4.0, mode="direct")], ids=str)
+                                   ol.Step(2.5), ol.Step(4.0, mode="direct"), ol.Cluster(8),
+                                   ol.Cluster(3, mode="delta")], ids=str)
 @pytest.mark.parametrize("bad", ["nan value", "-inf value", "inf reference", "nan reference",
                                  "overflowing delta", "negative recon"])
 def test_guard_decides_as_the_xla_program(codec, bad: str):
@@ -160,15 +165,18 @@ def test_which_leaves_take_the_kernel(monkeypatch):
     assert cpu_encode.host_kernel(x, None, ol.Step(4.0, mode="direct")) is not None
     assert cpu_encode.host_kernel(x, None, ol.LC(3)) is None  # a delta without reference
     assert cpu_encode.host_kernel(x.astype(jnp.bfloat16), x, ol.LC(3)) is None
-    assert cpu_encode.host_kernel(x, x, ol.Cluster(3)) is None
+    assert cpu_encode.host_kernel(x, None, ol.Cluster(8)) is not None
+    assert cpu_encode.host_kernel(x, x, ol.Cluster(3, mode="delta")) is not None
+    assert cpu_encode.host_kernel(x, None, ol.Cluster(4, domain="log")) is None
+    assert cpu_encode.host_kernel(x, x, ol.Uniform(4)) is None
     assert cpu_encode.host_kernel(x, x[:32], ol.LC(3)) is None
     monkeypatch.setenv(cpu_encode.ENV, "0")
     assert cpu_encode.host_kernel(x, x, ol.LC(3)) is None
 
 
 def test_saved_chain_is_identical_with_and_without_kernels(tmp_path, monkeypatch):
-    """LC saves write the same bytes through the kernels as through XLA; Step and log saves
-    restore to the handler's reference bit for bit."""
+    """LC and linear Cluster saves write the same bytes through the kernels as through XLA;
+    Step and log saves restore to the handler's reference bit for bit."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((256, 300)).astype(np.float32)
     states = []
@@ -184,6 +192,9 @@ def test_saved_chain_is_identical_with_and_without_kernels(tmp_path, monkeypatch
                                                (r"mu", ol.Step(4.0, mode="direct"))],
                                         defaults={"param": ol.Step(2.5)},
                                         base_defaults={"param": ol.Exact()}),
+        "cluster": ol.LeafPolicy.create(rules=[(r"mu", ol.Cluster(4))],
+                                        defaults={"param": ol.Cluster(3, mode="delta")},
+                                        base_defaults={"param": ol.Cluster(8)}),
     }
     for name, policy in policies.items():
         payloads = {}
@@ -203,8 +214,9 @@ def test_saved_chain_is_identical_with_and_without_kernels(tmp_path, monkeypatch
             fresh.close()
             for key, value in expected.items():
                 np.testing.assert_array_equal(_bits(restored[key]), _bits(value), err_msg=key)
-            payloads[env] = (root / "3" / "default" / "data.p0.bin").read_bytes()
-        if name == "lc":
+            payloads[env] = [(root / str(step) / "default" / "data.p0.bin").read_bytes()
+                             for step in range(len(states))]
+        if name in ("lc", "cluster"):
             assert payloads["1"] == payloads["0"]
 
 

@@ -142,6 +142,9 @@ def test_cpu_kernels_run_on_the_leaf_pool_and_their_failures_surface(
 _ORDERED = r"""
 import os, sys, json, threading
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+# every leaf through the XLA encode programs (on CPU the host kernels would take the
+# single-device float32 leaves, and this test is about the programs' dispatch)
+os.environ["ORBAX_LOSSY_HOST_ENCODE"] = "0"
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import orbax_lossy as ol

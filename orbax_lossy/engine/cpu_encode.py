@@ -1,4 +1,5 @@
-"""Host kernels for the encode of ``LC`` and ``Step`` on float32 leaves of one CPU device.
+"""Host kernels for the encode of ``LC``, ``Step`` and linear-domain ``Cluster`` on float32
+leaves of one CPU device.
 
 On XLA:CPU the jitted encode program is the main cost of a lossy commit: LC's bucket
 statistics are two scatters, and the program with its guard and error makes about ten passes
@@ -18,7 +19,10 @@ programs):
   results below the smallest normal number count as zero, DAZ/FTZ), which
   :func:`xla_flushes_subnormals` probes once per process;
 * ``LC`` in the linear domain gives the XLA program's own symbols and representatives (each
-  quantity is a maximum, a minimum, a comparison or one rounding); ``Step``'s step (a sum of
+  quantity is a maximum, a minimum, a comparison or one rounding); linear ``Cluster`` fits
+  its centroids with the XLA program's own fit (a small program on a sample and the leaf's
+  extremes) and assigns every element with the same comparisons, so its symbols, codebook
+  and reconstruction are the XLA program's too; ``Step``'s step (a sum of
   squares) and ``LC``'s log-domain ratios (a logarithm) are computed in another order or by
   another library, so the step can differ in its last bits and an element on a boundary can
   take the neighbouring symbol: the codec's error bound holds all the same;
@@ -46,9 +50,12 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from orbax_lossy.codecs import cluster
 from orbax_lossy.codecs.base import Codec
+from orbax_lossy.codecs.cluster import Cluster
 from orbax_lossy.codecs.lc import LC, kept_buckets
 from orbax_lossy.codecs.step import CENTER, MAX_MULTIPLE, Step
+from orbax_lossy.engine import device
 from orbax_lossy.entropy.stream import aligned_empty
 from orbax_lossy.threads import available_cores, core_pool
 
@@ -56,7 +63,7 @@ from orbax_lossy.threads import available_cores, core_pool
 ENV = "ORBAX_LOSSY_HOST_ENCODE"
 
 # What a kernel codes, per element: the delta, the value, or the log-ratio to the reference.
-LC_DELTA, LC_DIRECT, LC_LOG, STEP_DELTA, STEP_DIRECT = range(5)
+LC_DELTA, LC_DIRECT, LC_LOG, STEP_DELTA, STEP_DIRECT, CLUSTER_DELTA, CLUSTER_DIRECT = range(7)
 _F32 = np.finfo(np.float32)
 TINY = np.float32(_F32.tiny)
 FMAX = np.float32(_F32.max)
@@ -360,6 +367,52 @@ def step_write_kernel(kind: int, daz: bool, flush: bool,
     return step_write
 
 
+#: decision bounds the Cluster kernel searches (``2**8 - 1``: 8 bits at most, padded)
+BOUND_SLOTS = 255
+
+
+@functools.cache
+def cluster_write_kernel(kind: int, flush: bool, nonnegative: bool) -> Callable[..., tuple]:
+    """The one pass of linear-domain Cluster, compiled per kind and flags: ``kernel((value,
+    reference, bounds, codebook, addend, symbols, recon))`` writes every element's symbol (0
+    for an exact zero, else 1 + the number of decision ``bounds`` below it: the XLA program's
+    ``searchsorted``, here a branchless binary search over ``bounds`` padded with ``+inf`` to
+    ``2**bits - 1`` entries) and its reconstruction (``codebook[symbol]``, or the reference
+    plus ``addend[symbol]``, the codebook as XLA's adds read it); returns as
+    :func:`lc_write_kernel`, the operands' finiteness included."""
+    has_ref = kind == CLUSTER_DELTA
+
+    @njit(inline="always")
+    def element(args, i, bad, broken, err, norm):
+        value, reference, bounds, codebook, addend, symbols, recon = args
+        v = _flush(value[i], flush)
+        r = _flush(reference[i], flush) if has_ref else np.float32(0.0)
+        x = _flush(v - r, flush) if has_ref else v
+        bad |= _nonfinite(v) | _nonfinite(r) | _nonfinite(v - r)
+        # 8 steps over BOUND_SLOTS entries, written out (unsigned indices: no wraparound
+        # test); each comparison selects, it does not branch
+        pos = np.uint64(0)
+        pos += _pick(bounds[pos + np.uint64(127)] < x, np.uint64(128), np.uint64(0))
+        pos += _pick(bounds[pos + np.uint64(63)] < x, np.uint64(64), np.uint64(0))
+        pos += _pick(bounds[pos + np.uint64(31)] < x, np.uint64(32), np.uint64(0))
+        pos += _pick(bounds[pos + np.uint64(15)] < x, np.uint64(16), np.uint64(0))
+        pos += _pick(bounds[pos + np.uint64(7)] < x, np.uint64(8), np.uint64(0))
+        pos += _pick(bounds[pos + np.uint64(3)] < x, np.uint64(4), np.uint64(0))
+        pos += _pick(bounds[pos + np.uint64(1)] < x, np.uint64(2), np.uint64(0))
+        pos += _pick(bounds[pos] < x, np.uint64(1), np.uint64(0))
+        s = np.uint8(_pick(x != 0, pos + np.uint64(1), np.uint64(0)))
+        out = _flush(r + addend[s], flush) if has_ref else codebook[s]
+        symbols[i] = s
+        recon[i] = out
+        return _account(out, v, value[i], nonnegative, bad, broken, err, norm)
+
+    @njit(nogil=True, cache=True, error_model="numpy")
+    def cluster_write(args):
+        return _unrolled(element, args, args[0].size)
+
+    return cluster_write
+
+
 # ------------------------------------------------------------------------------ tables
 
 
@@ -458,6 +511,10 @@ def xla_flushes_subnormals() -> bool:
 
 
 def _kind(codec: Codec) -> int | None:
+    if isinstance(codec, Cluster):
+        if codec.domain != "linear":
+            return None
+        return CLUSTER_DELTA if codec.mode == "delta" else CLUSTER_DIRECT
     if isinstance(codec, Step):
         return STEP_DELTA if codec.mode == "delta" else STEP_DIRECT
     if isinstance(codec, LC):
@@ -593,6 +650,44 @@ def _result(value: jax.Array, v: np.ndarray, symbols: np.ndarray, recon: np.ndar
     }
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "iters", "sample", "delta"))
+def _cluster_tables(value: jax.Array, reference: jax.Array, *, bits: int, iters: int,
+                    sample: int, delta: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The XLA program's own fit of linear-domain Cluster (``Cluster.encode`` up to the
+    assignment): ``(decision bounds, codebook, finite)``, so the kernel's symbols and
+    reconstruction are the XLA program's (the fit reads the leaf for its extremes and a
+    strided sample: a small share of the encode)."""
+    x = value - reference if delta else value
+    t, usable = cluster.coded_domain(x, "linear")
+    centroids = cluster.fit_centroids(t, usable, 2**bits - 1, iters, sample)
+    bounds = cluster.midpoints(centroids)
+    codebook = cluster.codebook_values(centroids, "linear", value.dtype, x.dtype)
+    return bounds, codebook, jnp.all(jnp.isfinite(bounds))
+
+
+def _cluster_encode(value: jax.Array, reference: Any, codec: Cluster, kind: int,
+                    v: np.ndarray, r: np.ndarray, flush: bool, symbols: np.ndarray,
+                    recon: np.ndarray) -> tuple | None:
+    """Cluster's fit (XLA) and its one kernel pass: ``(side, finite, kept, err, norm,
+    nonnegative)``, or None where a decision bound is not finite (the XLA program's search
+    then decides; the leaf takes it)."""
+    delta = kind == CLUSTER_DELTA
+    bounds, codebook, finite = jax.device_get(_cluster_tables(
+        value, reference if delta else value, bits=codec.bits, iters=codec.iters,
+        sample=codec.sample, delta=delta))
+    if not finite:
+        return None
+    padded = np.full(BOUND_SLOTS, np.inf, np.float32)
+    padded[: bounds.size] = _flush_array(np.asarray(bounds, np.float32), flush)
+    codebook = np.asarray(codebook, np.float32)
+    addend = _flush_array(codebook, flush)
+    nonnegative = bool(np.all(v >= 0))
+    write = cluster_write_kernel(kind, flush, nonnegative)
+    finite, kept, err, norm = _combine_writes(_run(write, v.size, lambda part, k: (
+        (v[part], r[part], padded, codebook, addend, symbols[part], recon[part]),)))
+    return {"codebook": codebook}, finite, kept, err, norm, nonnegative
+
+
 def encode(value: jax.Array, reference: Any, codec: Codec, kind: int) -> dict[str, Any]:
     """Encode one leaf with a host kernel: the result of ``device.encode_tree`` for it
     (``fields``, ``side``, ``recon``, ``safe``, ``rel_error``, ``same``), with numpy fields."""
@@ -626,6 +721,18 @@ def encode(value: jax.Array, reference: Any, codec: Codec, kind: int) -> dict[st
                 (v[part], r[part], step, levels, symbols[part], recon[part]),)))
             side = {"step": np.asarray([step], np.float32)}
             safe = bool(finite) and (not nonnegative or bool(kept))
+    elif kind in (CLUSTER_DELTA, CLUSTER_DIRECT):
+        assert isinstance(codec, Cluster)
+        done = _cluster_encode(value, reference, codec, kind, v, r, flush, symbols, recon)
+        if done is None:  # bounds not finite: the XLA program, whose search decides
+            out = device.encode_tree([value], [reference], plan=(codec,),
+                                     shardings=(value.sharding,))[0]
+            out = {**out, "fields": {k: np.asarray(f) for k, f in out["fields"].items()}}
+            if not bool(out["safe"]):  # stored exactly, as _result reports it
+                out.update(side={}, rel_error=np.float32(0.0))
+            return out
+        side, finite, kept, err, norm, nonnegative = done
+        safe = bool(finite) and (not nonnegative or bool(kept))
     else:
         assert isinstance(codec, LC)
         measured = _lc_measure(v, r, kind, flush, recon)
