@@ -58,13 +58,15 @@ def chain(tmp_path_factory):
     return root, held
 
 
-@pytest.mark.parametrize("window", ["small", "budget", "link", "two", "default"])
+@pytest.mark.parametrize("window", ["small", "budget", "link", "two", "default", "widest"])
 def test_every_step_restores_bitwise_with_any_window(chain, monkeypatch, assert_bitwise,
                                                      window) -> None:
     """Windows end at the newest link and hold ``W`` delta links each (the oldest window:
     the base and the rest), ``W`` = ``MAX_WINDOW_LINKS`` unless the memory budget allows
     fewer, or 1 for a state under ``FUSE_MIN_BYTES``; every restored leaf is bit-identical to
-    the saver's reconstruction."""
+    the saver's reconstruction. ``default``: the symbols of the leaves that need a reference
+    (params and ``nu``, one byte per element) are 1/6 of the state's bytes, so windows of
+    ``WINDOW_FRACTION`` (1/2) of them hold 3 links."""
     root, held = chain
     calls: list[int] = []
     real = device.decode_links
@@ -74,12 +76,14 @@ def test_every_step_restores_bitwise_with_any_window(chain, monkeypatch, assert_
         return real(fields, sides, reference, **statics)
 
     monkeypatch.setattr(device, "decode_links", counting)
-    size = {"small": 1, "budget": 1, "link": 1, "two": 2,
-            "default": restoring.MAX_WINDOW_LINKS}[window]
+    size = {"small": 1, "budget": 1, "link": 1, "two": 2, "default": 3,
+            "widest": restoring.MAX_WINDOW_LINKS}[window]
     if window != "small":  # a state this small decodes link by link unless told otherwise
         monkeypatch.setattr(restoring, "FUSE_MIN_BYTES", 0)
     if window == "budget":  # the fields of one link exceed the budget: one link per window
         monkeypatch.setattr(restoring, "WINDOW_FRACTION", 1e-9)
+    elif window == "widest":  # a budget that MAX_WINDOW_LINKS caps
+        monkeypatch.setattr(restoring, "WINDOW_FRACTION", 1.0)
     elif window in ("link", "two"):
         monkeypatch.setattr(restoring, "MAX_WINDOW_LINKS", size)
     mngr = ol.checkpoint_manager(root, max_to_keep=None)

@@ -326,7 +326,7 @@ class _Link:
 
 def _start_link(link: _Link, targets: list[Any], threads: int) -> None:
     """Submit the entropy decoding of every piece the link's device leaves need, so that it
-    runs while the previous link is still being assembled and decoded (one link ahead)."""
+    runs while earlier links are still being assembled and decoded (a window ahead)."""
     for k, leaf in enumerate(link.entries):
         if not link.active[k] or leaf.storage in HOST_STORAGES:
             continue
@@ -501,10 +501,12 @@ def _decode_window(
 #: :func:`_decode_window`; a 64 MB state's 9 LC links: 52 ms of decode programs link by
 #: link, 25 ms in one window): at most this many delta links per window ...
 MAX_WINDOW_LINKS = 4
-#: ... whose fields hold at most this fraction of the restored device leaves' bytes (the
-#: fields of a window, and of the link read ahead, stay within the one reference copy the
-#: memory bound allows beyond plain Orbax) ...
-WINDOW_FRACTION = 0.75
+#: ... whose fields hold at most this fraction of the restored device leaves' bytes: the
+#: links of the next window decode while a window's programs run, so the fields of two
+#: windows stay within the one reference copy the memory bound allows beyond plain Orbax
+#: (against windows of 3 LC links with one link read ahead: 64 MB 126 -> 121 ms, 256 MB
+#: 399 -> 371 ms, medians of 14 and 8 alternating restores; docs/performance.md) ...
+WINDOW_FRACTION = 0.5
 #: restored states below this many device bytes decode link by link: fusing saves them
 #: little, and every chain length would compile another program for its oldest window (a
 #: process restoring the 7 steps of a small chain compiled 23 programs fused, 11 link by link)
@@ -597,14 +599,17 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
     buffers = reading.HostBuffers()
     for n, link in enumerate(links):
         link.take = buffers.lender(n)
+    begun: set[int] = set()
     for number, window in enumerate(windows):
+        # this window's links and the next window's decode while this one is assembled and
+        # its programs run (double buffering: two windows of fields fit the budget)
+        for n in [*window, *(windows[number + 1] if number + 1 < len(windows) else ())]:
+            if n not in begun:
+                begun.add(n)
+                _start_link(links[n], targets, threads)
         reads = []
         for n in window:
             link = links[n]
-            if n == 0:
-                _start_link(link, targets, threads)
-            if n + 1 < len(links):  # the next link's pieces decode while this one finishes
-                _start_link(links[n + 1], targets, threads)
             try:
                 reads.append(_read_link(link, targets, values, threads))
             finally:
