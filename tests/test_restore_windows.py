@@ -180,3 +180,55 @@ def test_an_exact_leaf_restores_as_its_decoded_array_and_donates_safely(tmp_path
     again = ol.checkpoint_manager(tmp_path, max_to_keep=None).restore(1)
     np.testing.assert_allclose(np.asarray(again["w"]), np.asarray(w) + 1, rtol=0.05, atol=0.05)
     assert int(again["count"]) == 8
+
+
+def test_a_failed_link_cancels_the_window_decoding_ahead(chain, tmp_path, monkeypatch) -> None:
+    """A restore that fails on a damaged link drops the pieces it queued for the window
+    after it (double buffering starts that window's decoding early): of the next window's
+    pieces only those a worker had already started run; the error names the damaged step."""
+    import concurrent.futures
+    import re
+    import shutil
+    import threading
+
+    from orbax_lossy.engine import reading
+    from orbax_lossy.errors import ChecksumError
+
+    root, _ = chain
+    copy = tmp_path / "chain"
+    shutil.copytree(root, copy)
+    payload = copy / "2" / "default" / "data.p0.bin"
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    payload.write_bytes(bytes(data))
+    monkeypatch.setattr(restoring, "FUSE_MIN_BYTES", 0)
+    monkeypatch.setattr(restoring, "MAX_WINDOW_LINKS", 2)  # windows [0 1] [2 3] [4 5] [6]
+    monkeypatch.setattr(reading, "POOL_MIN_ELEMENTS", 0)  # every piece on the pool
+    gate = threading.Event()
+    ran: list[int] = []
+    real = reading.decode_piece
+
+    def decode(reader, p, codec, field, dtype, where):
+        step = int(re.search(r"\(step (\d+)\)", where).group(1))
+        if step >= 4:  # the window after the damaged one waits until the restore has failed
+            gate.wait(30)
+            ran.append(step)
+        return real(reader, p, codec, field, dtype, where)
+
+    monkeypatch.setattr(reading, "decode_piece", decode)
+    threads = 2
+    handler = ol.LossyCheckpointHandler(encode_threads=threads)
+    mngr = ol.checkpoint_manager(copy, handler=handler, max_to_keep=None)
+    try:
+        with pytest.raises(ChecksumError, match=r"step 2"):
+            mngr.restore(STEPS - 1)
+        queued = sum(1 for leaf in read_manifest(copy / "4" / "default").leaves
+                     for _ in leaf.pieces) * 2  # pieces of links 4 and 5, at most
+    finally:
+        gate.set()
+        # every task queued before this one has run or been cancelled once it has run
+        pool = reading.piece_pool(threads)
+        concurrent.futures.wait([pool.submit(lambda: None) for _ in range(threads)])
+        mngr.close()
+    assert queued > threads
+    assert len(ran) <= threads, ran  # only pieces a worker held at the gate

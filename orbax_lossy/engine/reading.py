@@ -324,6 +324,12 @@ class FieldRead:
         slab = out[index]  # (the Ellipsis: a view even of a 0-d array, not a scalar)
         return slab if slab.flags.c_contiguous and slab.size else None
 
+    def cancel(self) -> None:
+        """Drop the pieces that have not started decoding (a restore that failed elsewhere)."""
+        for future in self._futures:
+            future.cancel()
+        self._tasks = []
+
     def result(self) -> dict[grid.Box, np.ndarray]:
         """The host array of every region (waits for the pieces; the first failure raises)."""
         for task in self._tasks:

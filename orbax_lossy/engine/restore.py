@@ -567,6 +567,35 @@ def compile_ahead(item_dir: os.PathLike | str) -> None:
                 speculative=True)
 
 
+def _decode_windows(links: list[_Link], windows: list[range], chosen: list[LeafEntry],
+                    targets: list[Any], values: list[Any], threads: int) -> None:
+    """Read and decode the links window by window into ``values`` (see :func:`restore_item`)."""
+    buffers = reading.HostBuffers()
+    for n, link in enumerate(links):
+        link.take = buffers.lender(n)
+    begun: set[int] = set()
+    for number, window in enumerate(windows):
+        # this window's links and the next window's decode while this one is assembled and
+        # its programs run (double buffering: two windows of fields fit the budget)
+        for n in [*window, *(windows[number + 1] if number + 1 < len(windows) else ())]:
+            if n not in begun:
+                begun.add(n)
+                _start_link(links[n], targets, threads)
+        reads = []
+        for n in window:
+            link = links[n]
+            reads.append(_read_link(link, targets, values, threads))
+            link.started.clear()  # (on a failure the caller cancels what is still queued)
+            link.reader.close()
+        _decode_window(reads, chosen, targets, values)
+        if number + 1 < len(windows):
+            # the window's symbol arrays serve the links after it once its programs have run
+            # (the next window's pieces keep decoding meanwhile: they were started ahead)
+            del reads
+            jax.block_until_ready([v for v in values if isinstance(v, jax.Array)])
+            buffers.recycle(window, values)
+
+
 def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
                  partial: bool = True, loose: Collection[str] = ()) -> RestoredItem:
     """Restore one item directory onto ``target`` (a tree, or None for nested dicts); with
@@ -587,7 +616,6 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
     _check_budget(item_dir, final, chosen, targets)
     per_link = _link_leaves(chain, chosen, frozenset(loose))
     values: list[Any] = [None] * len(chosen)
-    bytes_read = 0
     root = root_of(item_dir)
     links = []
     for position, active in _needed_links(per_link, len(chosen)):
@@ -596,33 +624,16 @@ def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
                            payload.PayloadReader(link_dir, root)))
     windows = _windows(len(links), _window_links(links))
     _precompile(links, windows, chosen, targets)
-    buffers = reading.HostBuffers()
-    for n, link in enumerate(links):
-        link.take = buffers.lender(n)
-    begun: set[int] = set()
-    for number, window in enumerate(windows):
-        # this window's links and the next window's decode while this one is assembled and
-        # its programs run (double buffering: two windows of fields fit the budget)
-        for n in [*window, *(windows[number + 1] if number + 1 < len(windows) else ())]:
-            if n not in begun:
-                begun.add(n)
-                _start_link(links[n], targets, threads)
-        reads = []
-        for n in window:
-            link = links[n]
-            try:
-                reads.append(_read_link(link, targets, values, threads))
-            finally:
-                link.started.clear()
-                link.reader.close()
-            bytes_read += link.reader.bytes_read
-        _decode_window(reads, chosen, targets, values)
-        if number + 1 < len(windows):
-            # the window's symbol arrays serve the links after it once its programs have run
-            # (the next link's pieces keep decoding meanwhile: they were started ahead)
-            del reads
-            jax.block_until_ready([v for v in values if isinstance(v, jax.Array)])
-            buffers.recycle(window, values)
+    try:
+        _decode_windows(links, windows, chosen, targets, values, threads)
+    except BaseException:
+        for link in links:  # links decoding ahead of the failure: drop their queued pieces
+            for started in link.started.values():
+                started.cancel()
+            link.started.clear()
+            link.reader.close()
+        raise
+    bytes_read = sum(link.reader.bytes_read for link in links)
     out = []
     final_dir = chain[-1][0]
     for k, leaf in enumerate(chosen):
