@@ -241,6 +241,39 @@ def test_guard_refuses_a_reconstruction_that_zeroes_a_positive_leaf() -> None:
     assert bool(out[1]["safe"])  # a signed leaf may have elements pruned to 0
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=str)
+def test_sign_safe_decides_as_its_elementwise_definition(dtype) -> None:
+    """``sign_safe`` and ``all_nonnegative`` reduce with float minima and maxima (fast on
+    XLA:CPU); on mixes of zeros of both signs, subnormals, NaN, infinities and ordinary
+    numbers they decide as the comparisons they replace, compiled the same way."""
+    from orbax_lossy.codecs.base import all_nonnegative, sign_safe
+
+    def definition(value, recon):
+        nonnegative = jnp.all(value >= 0)
+        return ~nonnegative | (jnp.all(recon >= 0) & jnp.all((value <= 0) | (recon > 0)))
+
+    fast = jax.jit(lambda v, r: jnp.stack([sign_safe(v, r), all_nonnegative(v)]))
+    slow = jax.jit(lambda v, r: jnp.stack([definition(v, r), jnp.all(v >= 0)]))
+    specials = np.asarray([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 3e38],
+                          np.float32)
+    rng = np.random.default_rng(7)
+    outcomes = set()
+    for _ in range(400):
+        pair = []
+        for _ in range(2):
+            x = np.where(rng.random(5) < 0.5, rng.choice(specials, 5),
+                         rng.normal(size=5)).astype(np.float32)
+            pair.append(np.abs(x) if rng.random() < 0.6 else x)
+        v, r = (jnp.asarray(x, dtype) for x in pair)
+        got, want = np.asarray(fast(v, r)), np.asarray(slow(v, r))
+        np.testing.assert_array_equal(got, want, err_msg=f"{pair}")
+        outcomes.add(tuple(bool(b) for b in want))
+    # safe on a signed leaf, safe and unsafe on non-negative ones: every reachable outcome
+    assert outcomes == {(True, False), (True, True), (False, True)}
+    empty = jnp.zeros((0,), dtype)
+    assert bool(sign_safe(empty, empty)) and bool(all_nonnegative(empty))
+
+
 def test_handler_stores_an_unsafe_leaf_exactly(tmp_path) -> None:
     import orbax_lossy as ol
 

