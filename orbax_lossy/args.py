@@ -111,7 +111,9 @@ class LossySave(ocp.args.CheckpointArgs):
 
     ``save_args``: Orbax's per-leaf ``ocp.SaveArgs`` tree (e.g. Flax's
     ``save_args_from_target``); ``dtype`` casts the leaf before it is saved, as in Orbax.
-    ``force_base=True`` writes a full lossless snapshot regardless of the base interval.
+    ``force_base=True`` makes this step a base (no reference: every leaf is coded by the
+    policy's codec for base saves, e.g. ``Cluster(8)`` for parameters under the default
+    policy) whatever the base interval; with partial experts it saves every expert.
     The tree is validated here, before Orbax starts the save.
     """
 
