@@ -15,8 +15,11 @@ Printed per size and config (medians; ratio = lossy / plain Orbax in the same ru
   a subprocess: compilation and numba caches cold, unless the persistent caches are on);
 * ``after restore``: ``save()`` blocking right after restoring the chain's newest step;
 * ``commit delta`` / ``commit base``: ``save()`` call to committed (``wait_until_finished``),
-  the median of the 9 delta saves / the run's one base save (programs compiled in the
-  warm-up; a base codes every leaf whole, with the policy's base codecs);
+  the median of the 9 delta saves / of the run's base and ``--bases`` more base saves after
+  the chain (``LossySave(force_base=True)``; plain Orbax saves as always), configs taking
+  turns and the state evolving between them as before (programs compiled in the warm-up; a
+  base codes every leaf whole, with the policy's base codecs); ``block base`` is the median
+  of the same saves;
 * ``restore``: restore of the newest step of the 9-delta chain in a fresh manager (after a
   warm-up restore of a shorter chain, so the decode programs are compiled);
 * ``fresh restore``: the same restore as the first of a fresh process (a subprocess, as a
@@ -146,8 +149,10 @@ class Config:
         self.handler = TimedHandler(lossy_policy(self.name), base_interval=self.base_interval)
         return ol.checkpoint_manager(self.directory, handler=self.handler, max_to_keep=None)
 
-    def save_args(self, state: Any) -> Any:
-        return ocp.args.StandardSave(state) if self.name == "plain" else ol.LossySave(state)
+    def save_args(self, state: Any, force_base: bool = False) -> Any:
+        if self.name == "plain":
+            return ocp.args.StandardSave(state)
+        return ol.LossySave(state, force_base=force_base)
 
     def restore_args(self, target: Any) -> Any:
         return (ocp.args.StandardRestore(target) if self.name == "plain"
@@ -191,10 +196,11 @@ class PeakRSS:
         return self.peak - self.start
 
 
-def timed_save(cfg: Config, step: int, state: Any) -> dict[str, float]:
+def timed_save(cfg: Config, step: int, state: Any, force_base: bool = False
+               ) -> dict[str, float]:
     with PeakRSS() as mem:
         t0 = time.perf_counter()
-        cfg.mngr.save(step, args=cfg.save_args(state), force=True)
+        cfg.mngr.save(step, args=cfg.save_args(state, force_base), force=True)
         t1 = time.perf_counter()
         cfg.mngr.wait_until_finished()
         t2 = time.perf_counter()
@@ -337,7 +343,7 @@ def config_groups(configs: list[str], size_mb: int, memory: int | None) -> list[
 
 
 def run_size(size_mb: int, configs: list[str], root: str, restores: int,
-             fresh: bool) -> dict[str, dict[str, float]]:
+             fresh: bool, bases: int = 3) -> dict[str, dict[str, float]]:
     names = ["plain", *configs]
     state0 = make_state(size_mb * MB)
     # warm-up: a base and two deltas through every config (compiles programs, numba kernels)
@@ -373,6 +379,16 @@ def run_size(size_mb: int, configs: list[str], root: str, restores: int,
                 if cfg.name != "plain":
                     add(cfg.name, "async_save", r["handler"])
         state = evolve(state, step + 1)
+    # more base saves after the chain (one base per run is one sample): steps 10 .. 9 + bases
+    for i in range(bases):
+        step = 10 + i
+        order = cfgs[step % len(cfgs):] + cfgs[: step % len(cfgs)]
+        for cfg in order:
+            r = timed_save(cfg, step, state, force_base=True)
+            add(cfg.name, "block base", r["block"])
+            add(cfg.name, "commit base", r["commit"])
+        state = evolve(state, step + 1)
+    after = 10 + bases  # the step of the first save after a restore
     target = jax.tree.map(lambda x: x, state0)
     for rep in range(restores):
         for cfg in (cfgs if rep % 2 == 0 else cfgs[::-1]):
@@ -394,7 +410,7 @@ def run_size(size_mb: int, configs: list[str], root: str, restores: int,
     # the first save after a restore (a delta against the restored step)
     for cfg in cfgs:
         timed_restore(cfg, 9, target)
-        r = timed_save(cfg, 10, state)
+        r = timed_save(cfg, after, state)
         add(cfg.name, "after restore", r["block"])
         cfg.mngr.close()
         shutil.rmtree(cfg.directory, ignore_errors=True)
@@ -456,6 +472,8 @@ def main() -> None:
     parser.add_argument("--configs", default="default,lc,adaptive")
     parser.add_argument("--restores", type=int, default=3, help="restore repeats per config")
     parser.add_argument("--no-fresh", action="store_true", help="skip the fresh-process saves")
+    parser.add_argument("--bases", type=int, default=3,
+                        help="base saves after the 9-delta chain, for the base medians")
     parser.add_argument("--encode-only", action="store_true", help="only device encode GB/s")
     parser.add_argument("--leaves", type=int, default=LEAVES_PER_TREE,
                         help="leaves per tree (params, mu and nu each)")
@@ -478,7 +496,8 @@ def main() -> None:
         if len(groups) == 1:
             root = tempfile.mkdtemp(prefix="orbax_lossy_speed_")
             try:
-                report(size, run_size(size, configs, root, args.restores, not args.no_fresh))
+                report(size, run_size(size, configs, root, args.restores, not args.no_fresh,
+                                      args.bases))
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             continue
@@ -489,6 +508,7 @@ def main() -> None:
             subprocess.run(
                 [sys.executable, __file__, "--tables-only", "--sizes", str(size),
                  "--configs", ",".join(group), "--restores", str(args.restores),
+                 "--bases", str(args.bases),
                  *(["--no-fresh"] if args.no_fresh else [])],
                 check=True)
 
