@@ -260,3 +260,59 @@ def test_a_non_finite_element_in_a_later_range_is_seen(codec):
     host = cpu_encode.encode(v, r, codec, cpu_encode.host_kernel(v, r, codec))
     assert not bool(host["safe"])
     assert not bool(jax.device_get(_xla(codec, v, r if codec.needs_reference else None))["safe"])
+
+
+_CACHE_PROBE = """
+import gc, json
+import jax.numpy as jnp, numpy as np
+import orbax_lossy as ol
+from numba.core.registry import CPUDispatcher
+from orbax_lossy.engine import cpu_encode
+rng = np.random.default_rng(0)
+ref = rng.standard_normal(4096).astype(np.float32)
+value = ref + 1e-3 * rng.standard_normal(4096).astype(np.float32)
+for codec in [ol.LC(3), ol.LC(3, mode="direct"), ol.LC(2, domain="log"), ol.Step(0.05),
+              ol.Cluster(3)]:
+    log = getattr(codec, "domain", "linear") == "log"
+    v = jnp.asarray(np.abs(value) if log else value)
+    r = jnp.asarray(np.abs(ref) if log else ref)
+    kind = cpu_encode.host_kernel(v, r if codec.needs_reference else None, codec)
+    assert kind is not None, codec
+    cpu_encode.encode(v, r if codec.needs_reference else None, codec, kind)
+stats = {}
+for obj in gc.get_objects():
+    if isinstance(obj, CPUDispatcher) and obj.py_func.__module__ == cpu_encode.__name__:
+        s = obj.stats
+        if s.cache_hits or s.cache_misses:
+            stats[obj.py_func.__qualname__] = [sum(s.cache_hits.values()),
+                                               sum(s.cache_misses.values())]
+print(json.dumps(stats))
+"""
+
+
+@pytest.mark.slow
+def test_encode_kernels_load_from_the_disk_cache_in_a_new_process(tmp_path):
+    """The kernels compiled per set of constants (closures over an inlined ``@njit``
+    function) are keyed the same in every process (``kernel_cache``): a second process
+    loads every one of them from numba's cache, compiling none (before, each process
+    compiled them all again, ~2 s per kernel on the commit path)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "ORBAX_LOSSY_WARMUP": "0"}
+
+    def run() -> dict[str, list[int]]:
+        out = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, check=True,
+                             capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    first = run()
+    closures = [name for name in first if ".<locals>." in name]
+    assert len(closures) >= 4, first  # LC statistics and write, Step and Cluster writes
+    assert all(misses > 0 for _, misses in first.values()), first
+    second = run()
+    assert second.keys() == first.keys()
+    for name, (hits, misses) in second.items():
+        assert misses == 0 and hits > 0, (name, second)
