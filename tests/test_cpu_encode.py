@@ -262,6 +262,20 @@ def test_a_non_finite_element_in_a_later_range_is_seen(codec):
     assert not bool(jax.device_get(_xla(codec, v, r if codec.needs_reference else None))["safe"])
 
 
+def test_kernel_cache_key_tells_constants_apart():
+    """Kernels of other constants (here: the inlined helper's ``nonnegative``) get other
+    cache keys; the same constants the same key."""
+    from orbax_lossy.engine.kernel_cache import describe
+
+    def key(*flags):
+        return describe(cpu_encode.lc_write_kernel(cpu_encode.LC_DELTA, *flags).py_func)
+
+    assert key(False, False, True, True) == key(False, False, True, True)
+    assert len({key(False, False, nonneg, lift) for nonneg in (False, True)
+                for lift in (False, True)}) == 4
+    assert key(False, False, True, True) != key(True, False, True, True)
+
+
 _CACHE_PROBE = """
 import gc, json
 import jax.numpy as jnp, numpy as np

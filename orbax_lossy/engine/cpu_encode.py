@@ -56,7 +56,7 @@ from orbax_lossy.codecs.cluster import Cluster
 from orbax_lossy.codecs.lc import LC, kept_buckets
 from orbax_lossy.codecs.step import CENTER, MAX_MULTIPLE, Step
 from orbax_lossy.engine import device
-from orbax_lossy.engine.kernel_cache import cache_by_key
+from orbax_lossy.engine.kernel_cache import stable_cache
 from orbax_lossy.entropy.stream import aligned_empty
 from orbax_lossy.threads import available_cores, core_pool
 
@@ -207,7 +207,7 @@ def lc_statistics_kernel(kind: int, daz: bool) -> Callable[..., tuple]:
         count[lane, slot] += 1
         return (bad, negative, subnormal), newborn
 
-    @njit(nogil=True, error_model="numpy")  # cached by cache_by_key
+    @njit(nogil=True, error_model="numpy")  # cached by stable_cache
     def lc_statistics(value, reference, top, bottom, count, coded):
         # UNROLL elements at a time, each into its own row of slots: neighbours mostly fall
         # in the same slot, and one row would chain every update on the previous one's
@@ -241,7 +241,7 @@ def lc_statistics_kernel(kind: int, daz: bool) -> Callable[..., tuple]:
             bad |= (count[255] > 0) | (count[511] > 0)
         return not bad, not negative, subnormal, newborn
 
-    return cache_by_key(lc_statistics, kind, daz)
+    return stable_cache(lc_statistics)
 
 
 @functools.cache
@@ -285,11 +285,11 @@ def lc_write_kernel(kind: int, daz: bool, flush: bool, nonnegative: bool,
         recon[i] = out
         return _account(out, v, value[i], nonnegative, bad, broken, err, norm)
 
-    @njit(nogil=True, error_model="numpy")  # cached by cache_by_key
+    @njit(nogil=True, error_model="numpy")  # cached by stable_cache
     def lc_write(args):
         return _unrolled(element, args, args[0].size)
 
-    return cache_by_key(lc_write, kind, daz, flush, nonnegative, lift)
+    return stable_cache(lc_write)
 
 
 @njit(inline="always")
@@ -361,11 +361,11 @@ def step_write_kernel(kind: int, daz: bool, flush: bool,
         recon[i] = out
         return _account(out, v, value[i], nonnegative, bad, broken, err, norm)
 
-    @njit(nogil=True, error_model="numpy")  # cached by cache_by_key
+    @njit(nogil=True, error_model="numpy")  # cached by stable_cache
     def step_write(args):
         return _unrolled(element, args, args[0].size)
 
-    return cache_by_key(step_write, kind, daz, flush, nonnegative)
+    return stable_cache(step_write)
 
 
 #: decision bounds the Cluster kernel searches (``2**8 - 1``: 8 bits at most, padded)
@@ -407,11 +407,11 @@ def cluster_write_kernel(kind: int, flush: bool, nonnegative: bool) -> Callable[
         recon[i] = out
         return _account(out, v, value[i], nonnegative, bad, broken, err, norm)
 
-    @njit(nogil=True, error_model="numpy")  # cached by cache_by_key
+    @njit(nogil=True, error_model="numpy")  # cached by stable_cache
     def cluster_write(args):
         return _unrolled(element, args, args[0].size)
 
-    return cache_by_key(cluster_write, kind, flush, nonnegative)
+    return stable_cache(cluster_write)
 
 
 # ------------------------------------------------------------------------------ tables
