@@ -1,4 +1,5 @@
-"""benchmarks/speed.py's split of configs into runs that fit the machine's memory."""
+"""benchmarks/speed.py's helpers: the split of configs into runs that fit the machine's memory, and
+its probe of what touching fresh memory costs."""
 
 from __future__ import annotations
 
@@ -46,3 +47,8 @@ def test_available_memory_reads_meminfo(speed) -> None:
         assert memory is not None and memory > 0
     else:
         assert memory is None
+
+
+def test_first_touch_probe_times_two_fresh_regions(speed) -> None:
+    cold, warm = speed.first_touch_ms_per_mb(4)
+    assert 0 < cold < 1e4 and 0 < warm < 1e4
