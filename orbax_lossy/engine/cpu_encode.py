@@ -392,7 +392,7 @@ def cluster_write_kernel(kind: int, flush: bool, nonnegative: bool) -> Callable[
         bad |= _nonfinite(v) | _nonfinite(r) | _nonfinite(v - r)
         # 8 steps over BOUND_SLOTS entries, written out (unsigned indices: no wraparound
         # test); each comparison selects, it does not branch
-        pos = np.uint64(0)
+        pos: Any = np.uint64(0)  # (Any: numpy 2.5's stubs type uint64 + _pick as float64)
         pos += _pick(bounds[pos + np.uint64(127)] < x, np.uint64(128), np.uint64(0))
         pos += _pick(bounds[pos + np.uint64(63)] < x, np.uint64(64), np.uint64(0))
         pos += _pick(bounds[pos + np.uint64(31)] < x, np.uint64(32), np.uint64(0))
