@@ -216,9 +216,14 @@ def test_cpu_leaves_are_held_without_a_copy_and_donation_waits(tmp_path, monkeyp
     from orbax_lossy.engine import transfer
 
     deadline = time.monotonic() + 60
-    while not transfer.donation_probe():  # the first call starts the probe in the background
-        assert time.monotonic() < deadline, "views do not block donation on this runtime"
+    transfer.donation_probe()  # the first call starts the probe in the background
+    while not transfer._PROBE.done():
+        assert time.monotonic() < deadline, "the donation probe did not finish in 60 s"
         time.sleep(0.01)
+    if not transfer.donation_probe():
+        # (jax 0.12.1 on CPU): saves copy every leaf, as on an accelerator; donating right
+        # after save() returns is covered by test_donate_and_overwrite_right_after_save_returns
+        pytest.skip(f"jax {jax.__version__}: numpy views do not block donation, saves copy")
     w = jnp.arange(256 * 64, dtype=jnp.float32).reshape(256, 64) * 1.0
     v = jnp.full((64,), 3.0, jnp.float32)
     jax.block_until_ready((w, v))
