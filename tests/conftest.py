@@ -66,10 +66,10 @@ def run_cpu_script():
     and fails the test with its stderr when it exits non-zero."""
 
     def run(args: list[str], timeout: float = 300) -> str:
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
-        env.pop("XLA_FLAGS", None)
-        proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        from subprocess_env import cpu_env
+
+        proc = subprocess.run([sys.executable, *args], env=cpu_env(), capture_output=True,
+                              text=True, timeout=timeout)
         assert proc.returncode == 0, proc.stderr[-4000:]
         return proc.stdout
 

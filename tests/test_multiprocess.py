@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+from subprocess_env import cpu_env
 
 pytestmark = pytest.mark.slow  # subprocesses: deselect with -m 'not slow'
 
@@ -30,9 +31,7 @@ def _free_port() -> int:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    return env
+    return cpu_env(processes=2)
 
 
 def _launch(mode: str, out, **extra_env: str) -> list[subprocess.Popen]:
@@ -172,7 +171,7 @@ def test_process_death_keeps_committed_steps(tmp_path):
     assert (tmp_path / "expected.npz").exists(), _logs(tmp_path)
     proc = subprocess.run(
         [sys.executable, os.path.join(SCRIPTS, "restore_fresh.py"), str(tmp_path)],
-        env=_env(),
+        env=cpu_env(),
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,

@@ -32,8 +32,9 @@ def _free_port() -> int:
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("pec_mp")
     port = str(_free_port())
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    from subprocess_env import cpu_env  # not at import: this file also runs as a worker
+
+    env = cpu_env(processes=2)
     procs = []
     for rank in range(2):
         log = open(out / f"log.p{rank}.txt", "w")  # noqa: SIM115 - closed below

@@ -177,17 +177,21 @@ def upload(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Shard
 # ---------------------------------------------------------------------------- CPU holds
 
 
-def _views_block_donation() -> bool:
-    """Whether this runtime refuses to donate a CPU buffer that a numpy view references (the
-    donating program then copies its input) and keeps the viewed memory intact: probed once
-    per process on a tiny array (one small compilation; see :func:`donation_probe`)."""
+def _views_survive_donation() -> bool:
+    """Whether a CPU buffer that a numpy view references keeps its memory and values when a
+    program donates the array (the runtime then writes the output elsewhere), probed once per
+    process on a tiny array (one small compilation; see :func:`donation_probe`). jax 0.10
+    refuses such a donation (the array stays alive); jax 0.12.1 marks the donated array
+    deleted, and the viewed memory stays intact and unused by the output. Both are safe."""
     try:
         cpu = jax.local_devices(backend="cpu")[0]
         x = jax.device_put(np.arange(64, dtype=np.float32), cpu) + 0
         view = np.asarray(x)
+        viewed = view.__array_interface__["data"][0]
         y = jax.jit(lambda a: a * 2, donate_argnums=0)(x)
         jax.block_until_ready(y)
-        return (not x.is_deleted() and bool(np.array_equal(view, np.arange(64)))
+        return (y.unsafe_buffer_pointer() != viewed
+                and bool(np.array_equal(view, np.arange(64)))
                 and bool(np.asarray(y)[3] == 6))
     except Exception:  # no CPU backend, or donation errors out: copy instead
         return False
@@ -198,7 +202,7 @@ _PROBE_LOCK = threading.Lock()
 
 
 def donation_probe() -> bool:
-    """``_views_block_donation`` without waiting for it: the first call starts the probe
+    """``_views_survive_donation`` without waiting for it: the first call starts the probe
     on a background thread and answers False (that save copies), later calls answer once it
     is done. Neither handler construction (which may precede ``jax.distributed.initialize``)
     nor ``save()`` compiles it."""
@@ -209,7 +213,7 @@ def donation_probe() -> bool:
             _PROBE = probe
 
             def run() -> None:
-                probe.set_result(_views_block_donation())  # catches every exception itself
+                probe.set_result(_views_survive_donation())  # catches every exception itself
 
             # not a daemon: interpreter exit waits for it (milliseconds) instead of killing it
             # inside XLA, which aborts the process
@@ -223,13 +227,14 @@ def hold_on_host(arrays: list[Any]) -> list[jax.Array | None]:
     is not safe (then the caller copies it).
 
     On CPU devices an array's buffers are host memory. A numpy view of every shard is an
-    external reference: while it lives the runtime will not donate the buffer (a program the
-    caller runs with ``donate_argnums`` copies its input instead, as it must while plain
-    Orbax holds its own views) and deleting the array leaves the memory alive. The returned
+    external reference: while it lives the runtime will not reuse the buffer (a program the
+    caller runs with ``donate_argnums`` writes its output elsewhere, as it must while plain
+    Orbax holds its own views; jax 0.10 keeps the donated array alive, jax 0.12.1 marks it
+    deleted) and deleting the array leaves the memory alive. The returned
     arrays are built from those views without a copy (one batched ``device_put`` of aligned
     numpy arrays on CPU aliases them) and keep them alive until the handler drops them.
     Needs a ready array (a view of a pending one would wait for it) and a finished
-    :func:`donation_probe` that found views block donation.
+    :func:`donation_probe` that found the viewed memory survives a donation.
     """
     out: list[jax.Array | None] = [None] * len(arrays)
     held = [j for j, x in enumerate(arrays)
