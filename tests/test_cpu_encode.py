@@ -276,6 +276,36 @@ def test_kernel_cache_key_tells_constants_apart():
     assert key(False, False, True, True) != key(True, False, True, True)
 
 
+def test_kernel_cache_key_sees_constants_and_globals_the_bytecode_does_not():
+    """Two kernels with the same bytecode get other keys when a literal constant differs,
+    or a module global they read (numba compiles its value in) holds another value."""
+    import types
+
+    from orbax_lossy.engine.kernel_cache import describe
+
+    def scaled(x):
+        return x * 0.5
+
+    def scaled_more(x):
+        return x * 0.25
+
+    assert scaled.__code__.co_code == scaled_more.__code__.co_code
+    assert describe(scaled) != describe(scaled_more)
+
+    source = "def kernel(x):\n    return x * SCALE + helper(x)\n"
+
+    def build(scale, offset):
+        scope = {"SCALE": scale}
+        exec(f"def helper(x):\n    return x + {offset}\n", scope)
+        exec(source, scope)
+        return scope["kernel"]
+
+    assert describe(build(2.0, 1)) == describe(build(2.0, 1))
+    assert describe(build(2.0, 1)) != describe(build(3.0, 1))  # a global's value
+    assert describe(build(2.0, 1)) != describe(build(2.0, 2))  # a helper's constant
+    assert isinstance(build(2.0, 1), types.FunctionType)
+
+
 _CACHE_PROBE = """
 import gc, json
 import jax.numpy as jnp, numpy as np
