@@ -20,7 +20,7 @@ import orbax_lossy as ol
 compiled_on = []
 def listener(event, duration, **kwargs):
     if event == "/jax/core/compile/backend_compile_duration":
-        compiled_on.append(threading.current_thread().name)
+        compiled_on.append(f"{threading.current_thread().name}: {kwargs.get('fun_name')}")
 jax.monitoring.register_event_duration_secs_listener(listener)
 
 root = sys.argv[1]
@@ -115,7 +115,7 @@ from orbax_lossy.treepaths import flatten, path_str
 compiled_on = []
 def listener(event, duration, **kwargs):
     if event == "/jax/core/compile/backend_compile_duration":
-        compiled_on.append(threading.current_thread().name)
+        compiled_on.append(f"{threading.current_thread().name}: {kwargs.get('fun_name')}")
 jax.monitoring.register_event_duration_secs_listener(listener)
 mngr = ol.checkpoint_manager(sys.argv[1], max_to_keep=None)
 for t in threading.enumerate():  # the job would build its state meanwhile
@@ -178,3 +178,71 @@ def test_a_restore_cancels_speculative_programs_it_does_not_need(monkeypatch) ->
     pool.shutdown(wait=True)
     assert sorted(ran) == ["busy-0", "busy-1", "other", "saved-a"], ran
     assert "saved-b" not in precompile._SUBMITTED and not precompile._SPECULATIVE
+
+
+def test_a_restore_calls_the_programs_it_compiled_ahead(tmp_path, monkeypatch) -> None:
+    """The decode programs compiled ahead are the ones a restore runs: it calls them, not
+    the jitted function (which found them only through JAX's caches and, on a loaded
+    machine, now and then compiled one again on the restoring thread)."""
+    import collections
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import orbax_lossy as ol
+    from orbax_lossy.engine import device, precompile
+
+    monkeypatch.setattr(precompile, "_SUBMITTED", collections.OrderedDict())
+    monkeypatch.setattr(precompile, "_SPECULATIVE", set())
+    mngr = ol.checkpoint_manager(tmp_path, max_to_keep=None)
+    state = {"w": jnp.linspace(-1, 1, 96 * 40).reshape(96, 40), "mu": jnp.zeros((96, 40))}
+    for step in range(4):
+        state = jax.tree.map(lambda x: x * 1.01 + 0.001, state)
+        mngr.save(step, args=ol.LossySave(state))
+        mngr.wait_until_finished()
+    expected = mngr.restore(3)  # compiles its programs ahead and runs them
+    assert precompile._SUBMITTED, "nothing was compiled ahead"
+
+    jitted_calls = []
+    program = device.decode_links_program
+
+    class Counting:
+        def __init__(self, jitted):
+            self.jitted = jitted
+
+        def lower(self, *args, **kwargs):
+            return self.jitted.lower(*args, **kwargs)
+
+        def __call__(self, *args, **kwargs):
+            jitted_calls.append(kwargs.get("plans"))
+            return self.jitted(*args, **kwargs)
+
+    monkeypatch.setattr(device, "decode_links_program", lambda s: Counting(program(s)))
+    again = mngr.restore(3)
+    assert jitted_calls == [], jitted_calls
+    for name in ("w", "mu"):
+        np.testing.assert_array_equal(np.asarray(again[name]), np.asarray(expected[name]))
+    mngr.close()
+
+
+def test_decode_links_falls_back_where_the_compiled_program_does_not_fit() -> None:
+    """A program compiled for other shapes is not run: the jitted function decodes."""
+    import jax
+    import numpy as np
+
+    import orbax_lossy as ol
+    from orbax_lossy.engine import device
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    codec = ol.Exact()
+    spec = jax.ShapeDtypeStruct
+    fields_of = {name: dtype for name, dtype in codec.field_dtypes(np.float32).items()}
+    other = device.decode_links_program(sharding).lower(
+        ({name: spec((3,), dtype) for name, dtype in fields_of.items()},), ({},), None,
+        plans=(codec,), dtype=np.float32).compile()
+    x = np.arange(8, dtype=np.float32)
+    fields = ({name: x.view(dtype) for name, dtype in fields_of.items()},)
+    out = device.decode_links(fields, ({},), None, plans=(codec,), dtype=np.float32,
+                              sharding=sharding, compiled=other)
+    np.testing.assert_array_equal(np.asarray(out), x)

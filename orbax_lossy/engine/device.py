@@ -182,8 +182,17 @@ def decode_links(
     plans: tuple[Codec, ...],
     dtype: Any,
     sharding: jax.sharding.Sharding,
+    compiled: Any = None,
 ) -> jax.Array:
-    """Run :func:`decode_links_program` of ``sharding`` (see :func:`_decode_links`)."""
+    """Run :func:`decode_links_program` of ``sharding`` (see :func:`_decode_links`), or
+    ``compiled``, that program compiled ahead for these arguments' shapes and dtypes
+    (``engine.precompile``), where it accepts them."""
+    if compiled is not None:
+        try:
+            return compiled(fields, sides, reference)
+        except TypeError:  # arguments unlike the compiled ones: rejected before running
+            if reference is not None and reference.is_deleted():
+                raise
     return decode_links_program(sharding)(fields, sides, reference, plans=plans, dtype=dtype)
 
 

@@ -7,7 +7,9 @@ programs, 233 ms of a 64 MB 9-delta restore). As soon as a restore knows its cha
 submits the programs it has not compiled yet (:func:`submit`) from abstract arguments
 (``jax.jit(...).lower(...).compile()``), to one worker, so compiling overlaps reading and
 entropy decoding; the restoring thread waits for a program (:func:`wait`) just before it calls
-it, and the call finds XLA's compiled executable in JAX's cache.
+it and calls the compiled program itself. (Calling the jitted function instead relied on
+JAX's caches to find the executable compiled ahead; now and then, on a loaded machine, the
+call compiled it a second time on the restoring thread.)
 
 A program that fails to compile ahead is compiled (and its error raised) by the real call.
 """
@@ -65,13 +67,18 @@ def keep_only(keys: set[Hashable]) -> None:
         _SPECULATIVE.difference_update(keys)
 
 
-def wait(key: Hashable) -> None:
-    """Wait until the program of ``key`` (if submitted) is compiled; its failure is ignored
-    (the real call compiles it again and raises)."""
+def wait(key: Hashable) -> object | None:
+    """Wait until the program of ``key`` (if submitted) is compiled, and return it (a
+    ``jax.stages.Compiled``), or None where it was not submitted or failed to compile (the
+    real call compiles it again and raises)."""
     with _LOCK:
         future = _SUBMITTED.get(key)
-    if future is not None:
-        concurrent.futures.wait([future])
+    if future is None:
+        return None
+    concurrent.futures.wait([future])
+    if future.cancelled() or future.exception() is not None:
+        return None
+    return future.result()
 
 
 def submitted() -> bool:

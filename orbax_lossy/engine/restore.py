@@ -490,11 +490,11 @@ def _decode_window(
                 and raw.dtype == leaf.dtype and raw.shape == leaf.shape):
             values[k] = jax.device_put(raw, sharding)
             continue
-        precompile.wait(_program_key(codecs, sides, leaf, sharding, referenced))
+        compiled = precompile.wait(_program_key(codecs, sides, leaf, sharding, referenced))
         with stored_data(where):
             values[k] = device.decode_links(
                 tuple(r.fields for r in reads), sides, reference, plans=codecs,
-                dtype=leaf.dtype, sharding=sharding)
+                dtype=leaf.dtype, sharding=sharding, compiled=compiled)
 
 
 #: a restore decodes a chain's links in windows of consecutive links (see
