@@ -185,7 +185,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         if jax.process_count() > 1:
             _warn_once(cpu_cache_hang_warning(
                 jax.__version__, {d.platform for d in jax.devices()},
-                jax.config.jax_compilation_cache_dir, jax.process_count()))
+                getattr(jax.config, "jax_compilation_cache_dir", None), jax.process_count()))
             dispatched = save.dispatch_encode(request)
         # 5. The commit future: encode, publish the next reference, write the files.
         published = self._store.begin(item)
