@@ -7,9 +7,10 @@ programs, 233 ms of a 64 MB 9-delta restore). As soon as a restore knows its cha
 submits the programs it has not compiled yet (:func:`submit`) from abstract arguments
 (``jax.jit(...).lower(...).compile()``), to one worker, so compiling overlaps reading and
 entropy decoding; the restoring thread waits for a program (:func:`wait`) just before it calls
-it and calls the compiled program itself. (Calling the jitted function instead relied on
-JAX's caches to find the executable compiled ahead; now and then, on a loaded machine, the
-call compiled it a second time on the restoring thread.)
+it and calls the compiled program itself, so a decode program compiled ahead is never
+compiled again on the restoring thread. (Calling the jitted function instead relied on JAX's
+caches to find the executable compiled ahead; a fresh-clone CI once recorded one compile on
+the restoring thread during a first restore, program not recorded, not reproduced since.)
 
 A program that fails to compile ahead is compiled (and its error raised) by the real call.
 """
