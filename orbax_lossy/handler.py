@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import os
 import re
 import warnings
@@ -183,9 +184,7 @@ class LossyCheckpointHandler(ocp.AsyncCheckpointHandler):
         # 4. Several processes: dispatch the device programs here, in one order everywhere.
         dispatched = None
         if jax.process_count() > 1:
-            _warn_once(cpu_cache_hang_warning(
-                jax.__version__, {d.platform for d in jax.devices()},
-                getattr(jax.config, "jax_compilation_cache_dir", None), jax.process_count()))
+            _warn_cache_hang()  # once per process
             dispatched = save.dispatch_encode(request)
         # 5. The commit future: encode, publish the next reference, write the files.
         published = self._store.begin(item)
@@ -283,26 +282,32 @@ ocp.args.register_with_handler(LossyCheckpointHandler, for_save=True)(LossySave)
 ocp.args.register_with_handler(LossyCheckpointHandler, for_restore=True)(LossyRestore)
 
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str | None) -> None:
-    if message is not None and message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+def jax_cache_hangs_multiprocess(jax_version: str = jax.__version__) -> bool:
+    """Whether this jax is one on which two CPU processes under ``jax.distributed`` hang in
+    programs loaded from the persistent compilation cache (jax >= 0.12.1; any program with a
+    collective, not only this library's: a 20-line reproduction in docs/performance.md)."""
+    return tuple(int(p) for p in re.findall(r"\d+", jax_version)[:3]) >= (0, 12, 1)
 
 
 def cpu_cache_hang_warning(jax_version: str, platforms: set[str], cache_dir: str | None,
                            process_count: int) -> str | None:
-    """What to tell a multi-process CPU run on jax >= 0.12.1 with JAX's persistent
-    compilation cache on, or None: there two processes under ``jax.distributed`` hang in
-    programs loaded from the cache (any program with a collective, not only this library's;
-    measured with a 20-line repro, docs/performance.md)."""
-    version = tuple(int(p) for p in re.findall(r"\d+", jax_version)[:3])
-    if process_count < 2 or platforms != {"cpu"} or not cache_dir or version < (0, 12, 1):
+    """What to tell a multi-process CPU run with JAX's persistent compilation cache on where
+    :func:`jax_cache_hangs_multiprocess`, or None."""
+    if (process_count < 2 or platforms != {"cpu"} or not cache_dir
+            or not jax_cache_hangs_multiprocess(jax_version)):
         return None
     return (f"jax {jax_version}: {process_count} CPU processes with JAX's persistent "
             f"compilation cache on ({cache_dir}): on jax 0.12.1 such runs hang in the "
             "programs they load from the cache (the run that compiled them finishes). If this "
             "run hangs in its first programs, turn the cache off (orbax-lossy's "
             "docs/performance.md has a 20-line reproduction)")
+
+
+@functools.cache
+def _warn_cache_hang() -> None:
+    """:func:`cpu_cache_hang_warning` for this process, as a ``RuntimeWarning``, once."""
+    message = cpu_cache_hang_warning(
+        jax.__version__, {d.platform for d in jax.devices()},
+        getattr(jax.config, "jax_compilation_cache_dir", None), jax.process_count())
+    if message is not None:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)

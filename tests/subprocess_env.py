@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import os
-import re
 
-import jax
+from orbax_lossy.handler import jax_cache_hangs_multiprocess
 
-# jax >= 0.12.1: two CPU processes under jax.distributed hang in the first programs they load
-# from a shared persistent compilation cache (the run that compiled and wrote them finishes;
-# docs/performance.md, "jax 0.12.1, several CPU processes"). Two-process runs compile instead.
-_JAX_VERSION = tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
-_CACHE_HANGS_MULTIPROCESS = _JAX_VERSION >= (0, 12, 1)
+# Two CPU processes under jax.distributed hang in the first programs they load from a shared
+# persistent compilation cache on some jax versions (docs/performance.md, "jax 0.12.1,
+# several CPU processes"): two-process runs compile instead.
 _CACHE_VARIABLES = (
     "JAX_COMPILATION_CACHE_DIR",
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
@@ -25,7 +22,7 @@ def cpu_env(*, processes: int = 1) -> dict[str, str]:
     loaded executables hang there, without the persistent compilation cache."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    if processes > 1 and _CACHE_HANGS_MULTIPROCESS:
+    if processes > 1 and jax_cache_hangs_multiprocess():
         for name in _CACHE_VARIABLES:
             env.pop(name, None)
     return env

@@ -28,12 +28,21 @@ def test_cpu_cache_hang_warning(version, platforms, cache, processes, warns):
 
 
 def test_the_warning_is_given_once_per_process(monkeypatch):
-    monkeypatch.setattr(handler, "_WARNED", set())
-    message = handler.cpu_cache_hang_warning("0.12.1", {"cpu"}, "/c", 2)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        handler._warn_once(message)
-        handler._warn_once(message)
-        handler._warn_once(None)
-    assert [str(w.message) for w in caught] == [message]
+    monkeypatch.setattr(handler, "cpu_cache_hang_warning", lambda *args: "the message")
+    handler._warn_cache_hang.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            handler._warn_cache_hang()
+            handler._warn_cache_hang()
+    finally:
+        handler._warn_cache_hang.cache_clear()
+    assert [str(w.message) for w in caught] == ["the message"]
     assert caught[0].category is RuntimeWarning
+
+
+def test_jax_versions_whose_cache_hangs_multiprocess():
+    assert handler.jax_cache_hangs_multiprocess("0.12.1")
+    assert handler.jax_cache_hangs_multiprocess("0.13.0.dev20270101")
+    assert not handler.jax_cache_hangs_multiprocess("0.12.0.1")
+    assert not handler.jax_cache_hangs_multiprocess("0.10.2")
