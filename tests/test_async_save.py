@@ -226,8 +226,11 @@ def test_cpu_leaves_are_held_without_a_copy_and_donation_waits(tmp_path, monkeyp
     v = jnp.full((64,), 3.0, jnp.float32)
     jax.block_until_ready((w, v))
     held = transfer.hold_on_host([w, v])
-    assert all(h is not None for h in held)
-    assert held[0].unsafe_buffer_pointer() == w.unsafe_buffer_pointer()  # zero-copy
+    assert all(isinstance(h, transfer.HostHold) for h in held)  # views; arrays in the commit
+    built = transfer.materialize(held)
+    assert built[0].unsafe_buffer_pointer() == w.unsafe_buffer_pointer()  # zero-copy
+    assert built[0].sharding == w.sharding and built[1].shape == v.shape
+    del built
     old = {"w": np.array(w), "v": np.array(v)}
     del held
 

@@ -117,10 +117,11 @@ def secure_copies(prepared: Sequence[Any], storages: Sequence[str]) -> list[Any]
     arrays as soon as ``save()`` returns.
 
     A ready device leaf on CPU devices is held without a copy (``transfer.hold_on_host``:
-    numpy views of its buffers make the runtime refuse their donation). Any other device leaf
-    is copied on its devices by ``jax.device_put(..., may_alias=False)``: an asynchronous
-    device-to-device copy per shard that compiles nothing and returns at once (JAX orders a
-    later donation of the original after the copy). A host leaf is copied now.
+    numpy views of its buffers make the runtime refuse their donation; a single-shard leaf
+    stays a ``transfer.HostHold`` until :func:`dispatch_encode` builds its array). Any other
+    device leaf is copied on its devices by ``jax.device_put(..., may_alias=False)``: an
+    asynchronous device-to-device copy per shard that compiles nothing and returns at once
+    (JAX orders a later donation of the original after the copy). A host leaf is copied now.
     """
     device_leaves = [i for i, s in enumerate(storages) if s == "device"]
     held = dict(zip(device_leaves, transfer.hold_on_host([prepared[i] for i in device_leaves]),
@@ -240,7 +241,7 @@ def dispatch_encode(req: SaveRequest) -> Dispatched:
     on every process (their reductions are collectives). Does not wait for results, except
     what the policy itself reads (an adaptive policy's statistics).
     """
-    prepared = [device.strong(x) for x in req.values]
+    prepared = [device.strong(x) for x in transfer.materialize(req.values)]
     storages, key_impls, ref = req.storages, req.key_impls, req.ref
     is_base = ref is None
     codec_leaves = [
