@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from orbax_lossy import dtypes
 from orbax_lossy.errors import InvalidArgumentError
 from orbax_lossy.treepaths import StoredPath, flatten, path_str
 
@@ -20,15 +21,6 @@ from orbax_lossy.treepaths import StoredPath, flatten, path_str
 INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1
 #: a ``None`` node is stored as an empty uint8 array of storage ``"none"`` (no payload)
 NONE_PLACEHOLDER_DTYPE = np.uint8
-
-
-def _supported_dtype(dtype: Any) -> bool:
-    from orbax_lossy.codecs.lossless import _DTYPE_CODES
-
-    try:
-        return np.dtype(dtype).name in _DTYPE_CODES
-    except TypeError:
-        return False
 
 
 def _unsupported(path: StoredPath, what: str) -> InvalidArgumentError:
@@ -48,9 +40,7 @@ def _classify_leaf(path: StoredPath, leaf: Any) -> str:
     if leaf is None:
         return "none"
     if isinstance(leaf, jax.Array):
-        if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) and not _supported_dtype(
-            leaf.dtype
-        ):
+        if dtypes.kind(leaf.dtype) != "rng" and not dtypes.writable(leaf.dtype):
             raise _unsupported(path, f"has unsupported dtype {leaf.dtype}")
         return "device"
     if isinstance(leaf, bool):
@@ -62,13 +52,13 @@ def _classify_leaf(path: StoredPath, leaf: Any) -> str:
     if isinstance(leaf, float):
         return "float"
     if isinstance(leaf, np.generic):
-        if not _supported_dtype(leaf.dtype):
+        if not dtypes.writable(leaf.dtype):
             raise _unsupported(path, f"is a numpy scalar of unsupported dtype {leaf.dtype}")
         return "scalar"
     if isinstance(leaf, np.ndarray):
         if leaf.dtype == object:
             raise _unsupported(path, "is an object array")
-        if not _supported_dtype(leaf.dtype):
+        if not dtypes.writable(leaf.dtype):
             raise _unsupported(path, f"is a numpy array of unsupported dtype {leaf.dtype}")
         return "numpy"
     raise _unsupported(path, f"has unsupported type {type(leaf).__name__}")
@@ -86,6 +76,7 @@ def validate_item(item: Any) -> tuple[list[StoredPath], list[Any], list[str]]:
     if all(leaf is None for leaf in leaves):
         raise InvalidArgumentError("LossySave item has no leaves")
     kinds, out = [], []
+    several_processes = None  # asked at the first device leaf: it starts JAX's backends
     for path, leaf in zip(paths, leaves, strict=True):
         kind = _classify_leaf(path, leaf)
         if kind == "none":
@@ -93,7 +84,9 @@ def validate_item(item: Any) -> tuple[list[StoredPath], list[Any], list[str]]:
         elif kind == "device":
             if leaf.is_deleted():
                 raise InvalidArgumentError(f"leaf {path_str(path)!r} is a deleted (donated) array")
-            if jax.process_count() > 1 and leaf.is_fully_addressable:
+            if several_processes is None:
+                several_processes = jax.process_count() > 1
+            if several_processes and leaf.is_fully_addressable:
                 if not leaf.sharding.is_fully_replicated:
                     raise InvalidArgumentError(
                         f"leaf {path_str(path)!r} is a process-local array in a multi-process "

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from orbax_lossy import dtypes
 from orbax_lossy.errors import ChainError
 from orbax_lossy.format.manifest import MANIFEST_NAME
 from orbax_lossy.format.steps import exists, root_key, root_of, step_of
@@ -51,8 +51,8 @@ def delta_signature(on_device: bool, shape: Any, dtype: Any) -> tuple | None:
     Only float device leaves can be delta-coded; the others are always stored whole, so a
     step counter that turns from a Python int into a jax.Array does not force a new base.
     """
-    if on_device and jnp.issubdtype(dtype, jnp.floating):
-        return (tuple(int(d) for d in shape), np.dtype(dtype).name)
+    if on_device and dtypes.kind(dtype) == "float":
+        return (tuple(int(d) for d in shape), dtypes.name(dtype))
     return None
 
 

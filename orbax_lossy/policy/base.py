@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from orbax_lossy import dtypes
 from orbax_lossy.codecs.base import Codec
 from orbax_lossy.errors import InvalidArgumentError
 from orbax_lossy.treepaths import StoredPath
@@ -44,9 +45,10 @@ _SECOND_MOMENT_KEYS = {"nu", "v"}
 
 def leaf_role(path: StoredPath, dtype: np.dtype | jnp.dtype) -> str:
     """Role of a leaf from its key path and dtype (see the module docstring)."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    kind = dtypes.kind(dtype)
+    if kind == "rng":
         return "rng"
-    if not jnp.issubdtype(dtype, jnp.floating):  # integers, bool, complex: stored exactly
+    if kind != "float":  # integers, bool, complex: stored exactly
         return "nonfloat"
     keys = [str(k) for _, k in path]
     in_optimizer = any(k in _OPTIMIZER_KEYS for k in keys)

@@ -41,10 +41,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
+from orbax_lossy import dtypes
 from orbax_lossy.policy.base import leaf_role
 from orbax_lossy.treepaths import StoredPath, encode_path
 
@@ -67,11 +67,8 @@ def _key_name(entry: Any) -> Any:
 
 def _float_role(dtype: Any) -> str | None:
     """``rng``/``nonfloat`` from the dtype alone, else None (a float leaf)."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return "rng"
-    if not jnp.issubdtype(dtype, jnp.floating):
-        return "nonfloat"
-    return None
+    kind = dtypes.kind(dtype)
+    return None if kind == "float" else "rng" if kind == "rng" else "nonfloat"
 
 
 def optimizer_role_of_field(name: Any) -> str:
