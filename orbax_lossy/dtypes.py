@@ -9,56 +9,52 @@ about a millisecond of every ``save()``; a model has a handful of dtypes.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+T = TypeVar("T")
 
-@functools.cache
-def _kind(dtype: Any) -> str:
+
+def _per_dtype(question: Callable[[Any], T]) -> Callable[[Any], T]:
+    """``question`` cached by its (hashable) argument; an unhashable one is asked directly."""
+    cached = functools.cache(question)
+
+    @functools.wraps(question)
+    def ask(dtype: Any) -> T:
+        try:
+            return cached(dtype)
+        except TypeError:  # unhashable
+            return question(dtype)
+
+    return ask
+
+
+@_per_dtype
+def kind(dtype: Any) -> str:
+    """``"rng"`` for a typed PRNG key dtype, ``"float"`` for a floating-point one, else
+    ``"other"`` (integers, bool, complex)."""
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         return "rng"
     return "float" if jnp.issubdtype(dtype, jnp.floating) else "other"
 
 
-def kind(dtype: Any) -> str:
-    """``"rng"`` for a typed PRNG key dtype, ``"float"`` for a floating-point one, else
-    ``"other"`` (integers, bool, complex)."""
-    try:
-        return _kind(dtype)
-    except TypeError:  # unhashable
-        return _kind.__wrapped__(dtype)
-
-
-@functools.cache
-def _name(dtype: Any) -> str | None:
-    try:
-        return np.dtype(dtype).name
-    except TypeError:  # not a numpy dtype (a PRNG key dtype)
-        return None
-
-
+@_per_dtype
 def name(dtype: Any) -> str | None:
     """``np.dtype(dtype).name``, or None where numpy has no such dtype."""
     try:
-        return _name(dtype)
-    except TypeError:  # unhashable
-        return _name.__wrapped__(dtype)
+        return np.dtype(dtype).name
+    except TypeError:  # not a numpy dtype (a PRNG key dtype, an arbitrary object)
+        return None
 
 
-@functools.cache
-def _writable(dtype: Any) -> bool:
-    from orbax_lossy.codecs.lossless import _DTYPE_CODES  # on first use, as before
-
-    return _name(dtype) in _DTYPE_CODES
-
-
+@_per_dtype
 def writable(dtype: Any) -> bool:
     """Whether the lossless coder stores arrays of ``dtype`` (a PRNG key dtype: no; its key
     data is)."""
-    try:
-        return _writable(dtype)
-    except TypeError:  # unhashable: not a dtype
-        return False
+    from orbax_lossy.codecs.lossless import _DTYPE_CODES  # on first use, as before
+
+    return name(dtype) in _DTYPE_CODES

@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from orbax_lossy import dtypes
 from orbax_lossy.codecs.base import Codec, codec_config
 from orbax_lossy.codecs.exact import Exact
 from orbax_lossy.codecs.same import Same
@@ -104,7 +105,7 @@ def prepare_leaves(leaves: Sequence[Any], storages: Sequence[str]) -> tuple[list
     prepared, key_impls = [], []
     for leaf, storage in zip(leaves, storages, strict=True):
         impl = None
-        if storage == "device" and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        if storage == "device" and dtypes.kind(leaf.dtype) == "rng":
             impl = str(jax.random.key_impl(leaf))
             leaf = jax.random.key_data(leaf)
         prepared.append(leaf if storage == "device" else np.asarray(jax.device_get(leaf)))
