@@ -64,9 +64,10 @@ def test_every_step_restores_bitwise_with_any_window(chain, monkeypatch, assert_
     """Windows end at the newest link and hold ``W`` delta links each (the oldest window:
     the base and the rest), ``W`` = ``MAX_WINDOW_LINKS`` unless the memory budget allows
     fewer, or 1 for a state under ``FUSE_MIN_BYTES``; every restored leaf is bit-identical to
-    the saver's reconstruction. ``default``: the symbols of the leaves that need a reference
-    (params and ``nu``, one byte per element) are 1/6 of the state's bytes, so windows of
-    ``WINDOW_FRACTION`` (1/2) of them hold 3 links."""
+    the saver's reconstruction. ``default``: the budget counts one leaf's fields per link (a
+    restore decodes leaf by leaf): the largest leaf that needs a reference (``params/w``,
+    3072 one-byte symbols) against ``WINDOW_FRACTION`` (1/2) of the state's 41040 bytes
+    gives windows of 6 links."""
     root, held = chain
     calls: list[int] = []
     real = device.decode_links
@@ -76,7 +77,7 @@ def test_every_step_restores_bitwise_with_any_window(chain, monkeypatch, assert_
         return real(fields, sides, reference, **statics)
 
     monkeypatch.setattr(device, "decode_links", counting)
-    size = {"small": 1, "budget": 1, "link": 1, "two": 2, "default": 3,
+    size = {"small": 1, "budget": 1, "link": 1, "two": 2, "default": 6,
             "widest": restoring.MAX_WINDOW_LINKS}[window]
     if window != "small":  # a state this small decodes link by link unless told otherwise
         monkeypatch.setattr(restoring, "FUSE_MIN_BYTES", 0)

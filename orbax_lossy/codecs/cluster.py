@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from orbax_lossy.codecs.base import Arrays, CodecBase, Encoded, Field, rounding_slack, work_dtype
+from orbax_lossy.codecs.lookup import table_lookup
 from orbax_lossy.errors import CodecError
 
 MODES = ("direct", "delta")
@@ -227,7 +228,7 @@ class Cluster(CodecBase):
                dtype: Any) -> jax.Array:
         """The ``codebook`` value of every symbol (plus the reference in delta mode)."""
         wd = work_dtype(dtype)
-        decoded = side["codebook"].astype(wd)[fields["sym"].astype(jnp.int32)]
+        decoded = table_lookup(fields["sym"], side["codebook"].astype(wd))
         base = self._base(reference, wd)
         return (decoded if base is None else base + decoded).astype(dtype)
 

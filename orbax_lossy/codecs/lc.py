@@ -29,6 +29,7 @@ from orbax_lossy.codecs.base import (
     rounding_slack,
     work_dtype,
 )
+from orbax_lossy.codecs.lookup import table_lookup
 from orbax_lossy.errors import CodecError
 
 __all__ = ["LC", "bucket_table", "dequantize", "promote", "table_estimate", "work_dtype"]
@@ -168,7 +169,7 @@ def promote(
 
 def dequantize(symbols: jax.Array, reps: jax.Array) -> jax.Array:
     """Decode symbols to their bucket representatives (``reps[symbol]``)."""
-    return reps[symbols.astype(jnp.int32)]
+    return table_lookup(symbols, reps)
 
 
 def bucket_table(x: jax.Array) -> dict[str, jax.Array]:
@@ -346,7 +347,7 @@ class LC(CodecBase):
         if self.domain == "log":
             assert reference is not None
             ref = reference.astype(wd)
-            scaled = ref * side["factor"].astype(wd)[fields["sym"].astype(jnp.int32)]
+            scaled = ref * table_lookup(fields["sym"], side["factor"].astype(wd))
             scaled = jnp.minimum(scaled, jnp.asarray(float(jnp.finfo(dtype).max), wd))
             born = fields["sym"] == 2**self.bits - 1
             return jnp.where(born, side["born"].astype(wd)[0], scaled).astype(dtype)

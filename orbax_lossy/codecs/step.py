@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from orbax_lossy.codecs.base import Arrays, CodecBase, Encoded, Field, rounding_slack, work_dtype
+from orbax_lossy.codecs.lookup import table_lookup
 from orbax_lossy.errors import CodecError
 
 MODES = ("direct", "delta")
@@ -115,7 +116,7 @@ class Step(CodecBase):
                dtype: Any) -> jax.Array:
         """``levels[symbol]`` (plus the reference for deltas), as ``dtype``."""
         wd = work_dtype(dtype)
-        decoded = levels(side["step"].astype(wd))[fields["sym"].astype(jnp.int32)]
+        decoded = table_lookup(fields["sym"], levels(side["step"].astype(wd)))
         if self.mode == "delta":
             if reference is None:
                 raise CodecError(f"{self}: a delta needs its reference to decode")

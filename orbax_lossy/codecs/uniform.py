@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from orbax_lossy.codecs.base import Arrays, CodecBase, Encoded, Field, rounding_slack, work_dtype
+from orbax_lossy.codecs.lookup import table_lookup
 from orbax_lossy.errors import CodecError
 
 
@@ -73,7 +74,7 @@ class Uniform(CodecBase):
     def decode(self, fields: Arrays, side: Arrays, reference: jax.Array | None,
                dtype: Any) -> jax.Array:
         """The ``codebook`` level of every symbol, as ``dtype``."""
-        return side["codebook"][fields["sym"].astype(jnp.int32)].astype(dtype)
+        return table_lookup(fields["sym"], side["codebook"]).astype(dtype)
 
     @classmethod
     def examples(cls) -> tuple[Uniform, ...]:

@@ -1,9 +1,10 @@
 """The restore pipeline: walk the chain, match targets, read only needed pieces, decode.
 
 Each selected leaf is read from the newest link that stores it without a reference (an
-exact leaf from the newest step alone), then every later link's delta is decoded on device
-in one jitted program per link. Leaves are matched across links by path, and each link must
-agree on the leaf's shape, dtype, storage and key type.
+exact leaf from the newest step alone), then the later links' deltas are decoded on device,
+window by window of consecutive links and leaf by leaf, one jitted program per leaf and
+window. Leaves are matched across links by path, and each link must agree on the leaf's
+shape, dtype, storage and key type.
 """
 
 from __future__ import annotations
@@ -320,24 +321,21 @@ class _Link:
     active: list[bool]
     reader: payload.PayloadReader
     started: dict[tuple[int, str], reading.FieldRead] = dataclasses.field(default_factory=dict)
-    #: where its uint8 fields get their host arrays (None: new arrays)
-    take: reading.Take | None = None
 
 
-def _start_link(link: _Link, targets: list[Any], threads: int) -> None:
-    """Submit the entropy decoding of every piece the link's device leaves need, so that it
-    runs while earlier links are still being assembled and decoded (a window ahead)."""
-    for k, leaf in enumerate(link.entries):
-        if not link.active[k] or leaf.storage in HOST_STORAGES:
-            continue
-        lw = _where(link.link_dir, link.manifest, leaf.name)
-        sharding = reading.target_sharding(targets[k])
-        by_field = reading.pieces_by_field(leaf.pieces)
-        for name, fdtype in leaf.codec.field_dtypes(leaf.dtype).items():
-            with stored_data(lw):
-                link.started[(k, name)] = reading.start_field(
-                    link.reader, by_field.get(name, []), leaf.codec, name, fdtype, leaf.shape,
-                    sharding, lw, threads, ahead=True, take=link.take)
+def _start_leaf(link: _Link, k: int, target: Any, threads: int, take: reading.Take) -> None:
+    """Submit the entropy decoding of every piece that device leaf ``k`` of the link needs
+    (its uint8 fields into arrays from ``take``), so that it runs while the leaf before it
+    is still being decoded (see :func:`_decode_windows`)."""
+    leaf = link.entries[k]
+    lw = _where(link.link_dir, link.manifest, leaf.name)
+    sharding = reading.target_sharding(target)
+    by_field = reading.pieces_by_field(leaf.pieces)
+    for name, fdtype in leaf.codec.field_dtypes(leaf.dtype).items():
+        with stored_data(lw):
+            link.started[(k, name)] = reading.start_field(
+                link.reader, by_field.get(name, []), leaf.codec, name, fdtype, leaf.shape,
+                sharding, lw, threads, ahead=True, take=take)
 
 
 @dataclasses.dataclass
@@ -350,40 +348,38 @@ class _LeafRead:
     where: str
 
 
-def _read_link(
-    link: _Link, targets: list[Any], values: list[Any], threads: int,
-) -> list[_LeafRead | None]:
-    """Read one link: its host leaves into ``values`` (a later link stores none of them),
-    and per device leaf it decodes its uploaded fields (None where the link is not used)."""
-    out: list[_LeafRead | None] = [None] * len(link.entries)
+def _read_host_leaves(link: _Link, values: list[Any]) -> None:
+    """Read the link's host leaves into ``values`` (a later link stores none of them)."""
     for k, leaf in enumerate(link.entries):
-        if not link.active[k]:  # a later link stores this leaf whole: nothing to read here
-            continue
-        lw = _where(link.link_dir, link.manifest, leaf.name)
-        codec = leaf.codec
-        if leaf.storage in HOST_STORAGES:
+        if link.active[k] and leaf.storage in HOST_STORAGES:
+            lw = _where(link.link_dir, link.manifest, leaf.name)
             with stored_data(lw):
                 values[k] = reading.read_region(
-                    link.reader, leaf.pieces, codec, "raw", leaf.dtype,
+                    link.reader, leaf.pieces, leaf.codec, "raw", leaf.dtype,
                     tuple((0, d) for d in leaf.shape), lw,
                 )
-            continue
-        _check_side(leaf, lw)
-        sharding = reading.target_sharding(targets[k])
-        by_field = reading.pieces_by_field(leaf.pieces)
-        host = transfer.passes_as_host(sharding)
-        with stored_data(lw):
-            fields = {
-                name: reading.assemble_field(
-                    link.reader, by_field.get(name, []), codec, name, fdtype, leaf.shape,
-                    sharding, lw, threads, link.started.get((k, name)), take=link.take,
-                    host=host,
-                )
-                for name, fdtype in codec.field_dtypes(leaf.dtype).items()
-            }
-        # side arrays stay numpy: the program's call transfers them at once
-        out[k] = _LeafRead(codec, fields, dict(leaf.side), lw)
-    return out
+
+
+def _read_leaf(link: _Link, k: int, target: Any, threads: int) -> _LeafRead:
+    """The link's stored fields of device leaf ``k`` (their decoding started by
+    :func:`_start_leaf`), ready for its decode program."""
+    leaf = link.entries[k]
+    lw = _where(link.link_dir, link.manifest, leaf.name)
+    codec = leaf.codec
+    _check_side(leaf, lw)
+    sharding = reading.target_sharding(target)
+    by_field = reading.pieces_by_field(leaf.pieces)
+    host = transfer.passes_as_host(sharding)
+    with stored_data(lw):
+        fields = {
+            name: reading.assemble_field(
+                link.reader, by_field.get(name, []), codec, name, fdtype, leaf.shape,
+                sharding, lw, threads, link.started.pop((k, name), None), host=host,
+            )
+            for name, fdtype in codec.field_dtypes(leaf.dtype).items()
+        }
+    # side arrays stay numpy: the program's call transfers them at once
+    return _LeafRead(codec, fields, dict(leaf.side), lw)
 
 
 def _program_key(codecs: Sequence[Any], sides: Sequence[dict[str, Any]], leaf: LeafEntry,
@@ -462,50 +458,44 @@ def _precompile(links: Sequence[Any], windows: Sequence[range], chosen: Sequence
         precompile.submit(key, compile_program, speculative)
 
 
-def _decode_window(
-    window: list[list[_LeafRead | None]], entries: list[LeafEntry], targets: list[Any],
-    values: list[Any],
-) -> None:
-    """Decode a window of consecutive links into ``values``: per device leaf one program
-    that applies the window's links in chain order (:func:`device.decode_links`), so the leaf
-    is read and written once per window, not once per link."""
-    for k, leaf in enumerate(entries):
-        stored: list[_LeafRead] = [r for link in window if (r := link[k]) is not None]
-        if not stored:
-            continue
-        reads, referenced = _from_last_whole(stored, [r.codec for r in stored])
-        reference = None
-        if referenced:
-            reference = values[k]
-            if reference is None:
-                raise ChainError(f"{reads[0].where}: a delta leaf has no reference (chain "
-                                 "starts here)")
-        where = reads[-1].where if len(reads) == 1 else (
-            f"{reads[0].where} (decoding it with the {len(reads) - 1} links after it)")
-        codecs = tuple(r.codec for r in reads)
-        sides = tuple(r.side for r in reads)
-        sharding = reading.target_sharding(targets[k])
-        raw = reads[0].fields.get("raw")
-        if (_as_is(codecs, leaf, sharding, referenced) and isinstance(raw, np.ndarray)
-                and raw.dtype == leaf.dtype and raw.shape == leaf.shape):
-            values[k] = jax.device_put(raw, sharding)
-            continue
-        compiled = precompile.wait(_program_key(codecs, sides, leaf, sharding, referenced))
-        with stored_data(where):
-            values[k] = device.decode_links(
-                tuple(r.fields for r in reads), sides, reference, plans=codecs,
-                dtype=leaf.dtype, sharding=sharding, compiled=compiled)
+def _decode_leaf(stored: list[_LeafRead], leaf: LeafEntry, target: Any, values: list[Any],
+                 k: int) -> None:
+    """Decode one device leaf through a window of consecutive links into ``values[k]``: one
+    program that applies the window's links in chain order (:func:`device.decode_links`), so
+    the leaf is read and written once per window, not once per link."""
+    reads, referenced = _from_last_whole(stored, [r.codec for r in stored])
+    reference = None
+    if referenced:
+        reference = values[k]
+        if reference is None:
+            raise ChainError(f"{reads[0].where}: a delta leaf has no reference (chain "
+                             "starts here)")
+    where = reads[-1].where if len(reads) == 1 else (
+        f"{reads[0].where} (decoding it with the {len(reads) - 1} links after it)")
+    codecs = tuple(r.codec for r in reads)
+    sides = tuple(r.side for r in reads)
+    sharding = reading.target_sharding(target)
+    raw = reads[0].fields.get("raw")
+    if (_as_is(codecs, leaf, sharding, referenced) and isinstance(raw, np.ndarray)
+            and raw.dtype == leaf.dtype and raw.shape == leaf.shape):
+        values[k] = jax.device_put(raw, sharding)
+        return
+    compiled = precompile.wait(_program_key(codecs, sides, leaf, sharding, referenced))
+    with stored_data(where):
+        values[k] = device.decode_links(
+            tuple(r.fields for r in reads), sides, reference, plans=codecs,
+            dtype=leaf.dtype, sharding=sharding, compiled=compiled)
 
 
-#: a restore decodes a chain's links in windows of consecutive links (see
-#: :func:`_decode_window`; a 64 MB state's 9 LC links: 52 ms of decode programs link by
-#: link, 25 ms in one window): at most this many delta links per window ...
-MAX_WINDOW_LINKS = 4
-#: ... whose fields hold at most this fraction of the restored device leaves' bytes: the
-#: links of the next window decode while a window's programs run, so the fields of two
-#: windows stay within the one reference copy the memory bound allows beyond plain Orbax
-#: (against windows of 3 LC links with one link read ahead: 64 MB 126 -> 121 ms, 256 MB
-#: 399 -> 371 ms, medians of 14 and 8 alternating restores; docs/performance.md) ...
+#: a restore decodes a chain's links in windows of consecutive links, leaf by leaf (one
+#: program per leaf and window, :func:`_decode_leaf`; a 64 MB state's 9 LC links: 52 ms of
+#: decode programs link by link, 25 ms in one window): at most this many delta links per
+#: window ...
+MAX_WINDOW_LINKS = 9
+#: ... whose fields of one leaf hold at most this fraction of the restored device leaves'
+#: bytes: the fields of the next leaf decode while a leaf's program runs, so the fields of
+#: two leaves stay within the one reference copy the memory bound allows beyond plain Orbax
+#: (the leaf-major order, against windows of whole links: docs/performance.md) ...
 WINDOW_FRACTION = 0.5
 #: restored states below this many device bytes decode link by link: fusing saves them
 #: little, and every chain length would compile another program for its oldest window (a
@@ -515,11 +505,10 @@ FUSE_MIN_BYTES = 32 << 20
 
 def _window_links(links: Sequence[Any]) -> int:
     """How many delta links a window holds: as many as fit the budget, by the largest
-    link's device fields that need a reference (1 to :data:`MAX_WINDOW_LINKS`; 1 below
-    :data:`FUSE_MIN_BYTES`)."""
+    device field bytes one link stores of one leaf that needs a reference (1 to
+    :data:`MAX_WINDOW_LINKS`; 1 below :data:`FUSE_MIN_BYTES`)."""
     state, largest = 0, 0
     for n, link in enumerate(links):
-        fields = 0
         for active, leaf in zip(link.active, link.entries, strict=True):
             if leaf.storage != "device":
                 continue
@@ -527,9 +516,8 @@ def _window_links(links: Sequence[Any]) -> int:
             if n == len(links) - 1:
                 state += elements * leaf.dtype.itemsize
             if active and leaf.codec.needs_reference:
-                fields += elements * sum(
-                    d.itemsize for d in leaf.codec.field_dtypes(leaf.dtype).values())
-        largest = max(largest, fields)
+                largest = max(largest, elements * sum(
+                    d.itemsize for d in leaf.codec.field_dtypes(leaf.dtype).values()))
     if state < FUSE_MIN_BYTES:
         return 1
     return max(1, min(MAX_WINDOW_LINKS, int(state * WINDOW_FRACTION) // max(largest, 1)))
@@ -569,31 +557,43 @@ def compile_ahead(item_dir: os.PathLike | str) -> None:
 
 def _decode_windows(links: list[_Link], windows: list[range], chosen: list[LeafEntry],
                     targets: list[Any], values: list[Any], threads: int) -> None:
-    """Read and decode the links window by window into ``values`` (see :func:`restore_item`)."""
+    """Read and decode the links window by window, and in a window leaf by leaf, into
+    ``values`` (see :func:`restore_item`): the pieces of the next leaf (of this window or
+    the next) decode while a leaf's program runs, and the uint8 arrays of a leaf whose
+    program has run serve the leaf after the next one. So the fields in memory are those of
+    two leaves of a window, not two windows' links of every leaf, and a window may hold
+    more links (fewer passes over the state), in arrays that are warm when reused."""
     buffers = reading.HostBuffers()
-    for n, link in enumerate(links):
-        link.take = buffers.lender(n)
-    begun: set[int] = set()
+    jobs = [(number, k) for number, window in enumerate(windows) for k, leaf in enumerate(chosen)
+            if leaf.storage not in HOST_STORAGES and any(links[n].active[k] for n in window)]
+
+    def start(j: int) -> None:
+        if j < len(jobs):
+            number, k = jobs[j]
+            for n in windows[number]:
+                if links[n].active[k]:
+                    _start_leaf(links[n], k, targets[k], threads, buffers.lender(j))
+
+    start(0)
+    start(1)
+    j = 0
     for number, window in enumerate(windows):
-        # this window's links and the next window's decode while this one is assembled and
-        # its programs run (double buffering: two windows of fields fit the budget)
-        for n in [*window, *(windows[number + 1] if number + 1 < len(windows) else ())]:
-            if n not in begun:
-                begun.add(n)
-                _start_link(links[n], targets, threads)
-        reads = []
         for n in window:
-            link = links[n]
-            reads.append(_read_link(link, targets, values, threads))
-            link.started.clear()  # (on a failure the caller cancels what is still queued)
-            link.reader.close()
-        _decode_window(reads, chosen, targets, values)
-        if number + 1 < len(windows):
-            # the window's symbol arrays serve the links after it once its programs have run
-            # (the next window's pieces keep decoding meanwhile: they were started ahead)
-            del reads
-            jax.block_until_ready([v for v in values if isinstance(v, jax.Array)])
-            buffers.recycle(window, values)
+            _read_host_leaves(links[n], values)
+        while j < len(jobs) and jobs[j][0] == number:
+            k = jobs[j][1]
+            stored = [_read_leaf(links[n], k, targets[k], threads) for n in window
+                      if links[n].active[k]]
+            _decode_leaf(stored, chosen[k], targets[k], values, k)
+            del stored
+            # its uint8 arrays serve the leaf after the next once its program has run (the
+            # next leaf's pieces keep decoding meanwhile: they were started ahead)
+            jax.block_until_ready(values[k])
+            buffers.recycle([j], values)
+            j += 1
+            start(j + 1)
+        for n in window:
+            links[n].reader.close()
 
 
 def restore_item(item_dir: os.PathLike | str, target: Any, threads: int,
