@@ -651,18 +651,24 @@ def _result(value: jax.Array, v: np.ndarray, symbols: np.ndarray, recon: np.ndar
     }
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "iters", "sample", "delta"))
-def _cluster_tables(value: jax.Array, reference: jax.Array, *, bits: int, iters: int,
-                    sample: int, delta: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The XLA program's own fit of linear-domain Cluster (``Cluster.encode`` up to the
-    assignment): ``(decision bounds, codebook, finite)``, so the kernel's symbols and
-    reconstruction are the XLA program's (the fit reads the leaf for its extremes and a
-    strided sample: a small share of the encode)."""
+@functools.partial(jax.jit, static_argnames=("sample", "delta"))
+def _cluster_sample(value: jax.Array, reference: jax.Array, *, sample: int,
+                    delta: bool) -> tuple[jax.Array, jax.Array]:
+    """The XLA program's own sample of linear-domain Cluster (``Cluster.encode`` up to its
+    sort, ``cluster.fit_sample``): it reads the leaf for its extremes and a strided sample."""
     x = value - reference if delta else value
     t, usable = cluster.coded_domain(x, "linear")
-    centroids = cluster.fit_centroids(t, usable, 2**bits - 1, iters, sample)
+    return cluster.fit_sample(t, usable, sample)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "iters"))
+def _cluster_tables(ascending: jax.Array, n_valid: jax.Array, *, bits: int,
+                    iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The XLA program's fit from the sorted sample: ``(decision bounds, codebook, finite)``
+    (float32 leaves), so the kernel's symbols and reconstruction are the XLA program's."""
+    centroids = cluster.centroids_of_sorted(ascending, n_valid, 2**bits - 1, iters)
     bounds = cluster.midpoints(centroids)
-    codebook = cluster.codebook_values(centroids, "linear", value.dtype, x.dtype)
+    codebook = cluster.codebook_values(centroids, "linear", ascending.dtype, ascending.dtype)
     return bounds, codebook, jnp.all(jnp.isfinite(bounds))
 
 
@@ -673,9 +679,15 @@ def _cluster_encode(value: jax.Array, reference: Any, codec: Cluster, kind: int,
     nonnegative)``, or None where a decision bound is not finite (the XLA program's search
     then decides; the leaf takes it)."""
     delta = kind == CLUSTER_DELTA
+    values, n_valid = jax.device_get(_cluster_sample(
+        value, reference if delta else value, sample=codec.sample, delta=delta))
+    if np.isnan(values).any():  # (bounds that are not finite, most likely)
+        return None
+    # numpy sorts the sample: XLA:CPU's sort took 8.6 of the fit's 9.7 ms on a 46 k-element
+    # leaf (numpy's: 0.9 ms). Without NaN (and without zeros: they are not usable, +inf
+    # here) equal values are equal bits, so both sorts give the same array.
     bounds, codebook, finite = jax.device_get(_cluster_tables(
-        value, reference if delta else value, bits=codec.bits, iters=codec.iters,
-        sample=codec.sample, delta=delta))
+        np.sort(values), n_valid, bits=codec.bits, iters=codec.iters))
     if not finite:
         return None
     padded = np.full(BOUND_SLOTS, np.inf, np.float32)
