@@ -66,8 +66,8 @@ def test_every_step_restores_bitwise_with_any_window(chain, monkeypatch, assert_
     fewer, or 1 for a state under ``FUSE_MIN_BYTES``; every restored leaf is bit-identical to
     the saver's reconstruction. ``default``: the budget counts one leaf's fields per link (a
     restore decodes leaf by leaf): the largest leaf that needs a reference (``params/w``,
-    3072 one-byte symbols) against ``WINDOW_FRACTION`` (1/2) of the state's 41040 bytes
-    gives windows of 6 links."""
+    3072 one-byte symbols) against ``WINDOW_FRACTION`` (1/3) of the state's 41040 bytes
+    gives windows of 4 links."""
     root, held = chain
     calls: list[int] = []
     real = device.decode_links
@@ -77,7 +77,7 @@ def test_every_step_restores_bitwise_with_any_window(chain, monkeypatch, assert_
         return real(fields, sides, reference, **statics)
 
     monkeypatch.setattr(device, "decode_links", counting)
-    size = {"small": 1, "budget": 1, "link": 1, "two": 2, "default": 6,
+    size = {"small": 1, "budget": 1, "link": 1, "two": 2, "default": 4,
             "widest": restoring.MAX_WINDOW_LINKS}[window]
     if window != "small":  # a state this small decodes link by link unless told otherwise
         monkeypatch.setattr(restoring, "FUSE_MIN_BYTES", 0)

@@ -493,10 +493,10 @@ def _decode_leaf(stored: list[_LeafRead], leaf: LeafEntry, target: Any, values: 
 #: window ...
 MAX_WINDOW_LINKS = 9
 #: ... whose fields of one leaf hold at most this fraction of the restored device leaves'
-#: bytes: the fields of the next leaf decode while a leaf's program runs, so the fields of
-#: two leaves stay within the one reference copy the memory bound allows beyond plain Orbax
-#: (the leaf-major order, against windows of whole links: docs/performance.md) ...
-WINDOW_FRACTION = 0.5
+#: bytes: the fields of the next two leaves decode while a leaf's program runs, so the
+#: fields of three leaves stay within the one reference copy the memory bound allows beyond
+#: plain Orbax (the leaf-major order, against windows of whole links: docs/performance.md) ...
+WINDOW_FRACTION = 1 / 3
 #: restored states below this many device bytes decode link by link: fusing saves them
 #: little, and every chain length would compile another program for its oldest window (a
 #: process restoring the 7 steps of a small chain compiled 23 programs fused, 11 link by link)
@@ -558,11 +558,12 @@ def compile_ahead(item_dir: os.PathLike | str) -> None:
 def _decode_windows(links: list[_Link], windows: list[range], chosen: list[LeafEntry],
                     targets: list[Any], values: list[Any], threads: int) -> None:
     """Read and decode the links window by window, and in a window leaf by leaf, into
-    ``values`` (see :func:`restore_item`): the pieces of the next leaf (of this window or
-    the next) decode while a leaf's program runs, and the uint8 arrays of a leaf whose
-    program has run serve the leaf after the next one. So the fields in memory are those of
-    two leaves of a window, not two windows' links of every leaf, and a window may hold
-    more links (fewer passes over the state), in arrays that are warm when reused."""
+    ``values`` (see :func:`restore_item`). While a leaf's program runs, the next leaf's
+    pieces decode (of this window or the next: small pieces on this thread, the others on
+    the piece pool, started two leaves ahead); the uint8 arrays of a leaf serve later leaves
+    once its program has run. So the fields in memory are those of at most three leaves of
+    a window, not two windows' links of every leaf, and a window may hold more links (fewer
+    passes over the state), in arrays that are warm when reused."""
     buffers = reading.HostBuffers()
     jobs = [(number, k) for number, window in enumerate(windows) for k, leaf in enumerate(chosen)
             if leaf.storage not in HOST_STORAGES and any(links[n].active[k] for n in window)]
@@ -574,6 +575,13 @@ def _decode_windows(links: list[_Link], windows: list[range], chosen: list[LeafE
                 if links[n].active[k]:
                     _start_leaf(links[n], k, targets[k], threads, buffers.lender(j))
 
+    def recycle(j: int) -> None:
+        """Lend job ``j``'s arrays again once its program has run (its leaf's value is the
+        only one that can be one of them: a program returning its input unchanged)."""
+        k = jobs[j][1]
+        jax.block_until_ready(values[k])
+        buffers.recycle([j], [values[k]])
+
     start(0)
     start(1)
     j = 0
@@ -584,12 +592,12 @@ def _decode_windows(links: list[_Link], windows: list[range], chosen: list[LeafE
             k = jobs[j][1]
             stored = [_read_leaf(links[n], k, targets[k], threads) for n in window
                       if links[n].active[k]]
+            if j and jobs[j - 1][1] == k:  # the previous job's value is this one's reference
+                recycle(j - 1)
             _decode_leaf(stored, chosen[k], targets[k], values, k)
             del stored
-            # its uint8 arrays serve the leaf after the next once its program has run (the
-            # next leaf's pieces keep decoding meanwhile: they were started ahead)
-            jax.block_until_ready(values[k])
-            buffers.recycle([j], values)
+            if j and jobs[j - 1][1] != k:  # (it ran while this leaf's fields were read)
+                recycle(j - 1)
             j += 1
             start(j + 1)
         for n in window:
