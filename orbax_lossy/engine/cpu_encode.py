@@ -683,9 +683,10 @@ def _cluster_encode(value: jax.Array, reference: Any, codec: Cluster, kind: int,
         value, reference if delta else value, sample=codec.sample, delta=delta))
     if np.isnan(values).any():  # (bounds that are not finite, most likely)
         return None
-    # numpy sorts the sample: XLA:CPU's sort took 8.6 of the fit's 9.7 ms on a 46 k-element
-    # leaf (numpy's: 0.9 ms). Without NaN (and without zeros: they are not usable, +inf
-    # here) equal values are equal bits, so both sorts give the same array.
+    # numpy sorts the sample: 0.9 ms for a 46 k-element leaf, against 3 ms for the XLA
+    # programs' integer-key sort (cluster.ascending) and 8.6 ms for XLA:CPU's float sort.
+    # Without NaN (and without zeros: they are not usable, +inf here) equal values are equal
+    # bits, so every sort gives the same array.
     bounds, codebook, finite = jax.device_get(_cluster_tables(
         np.sort(values), n_valid, bits=codec.bits, iters=codec.iters))
     if not finite:
