@@ -576,8 +576,9 @@ def _decode_windows(links: list[_Link], windows: list[range], chosen: list[LeafE
                     _start_leaf(links[n], k, targets[k], threads, buffers.lender(j))
 
     def recycle(j: int) -> None:
-        """Lend job ``j``'s arrays again once its program has run (its leaf's value is the
-        only one that can be one of them: a program returning its input unchanged)."""
+        """Lend job ``j``'s arrays again once its program has run: its leaf's value now (the
+        job's output, or a later window's program that took it) is the only one that can be
+        one of them (a program returning its input unchanged), and is ready only after it."""
         k = jobs[j][1]
         jax.block_until_ready(values[k])
         buffers.recycle([j], [values[k]])
@@ -592,11 +593,9 @@ def _decode_windows(links: list[_Link], windows: list[range], chosen: list[LeafE
             k = jobs[j][1]
             stored = [_read_leaf(links[n], k, targets[k], threads) for n in window
                       if links[n].active[k]]
-            if j and jobs[j - 1][1] == k:  # the previous job's value is this one's reference
-                recycle(j - 1)
             _decode_leaf(stored, chosen[k], targets[k], values, k)
             del stored
-            if j and jobs[j - 1][1] != k:  # (it ran while this leaf's fields were read)
+            if j:  # (its program ran while this leaf's fields were read)
                 recycle(j - 1)
             j += 1
             start(j + 1)
