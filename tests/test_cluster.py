@@ -222,3 +222,42 @@ def test_ascending_is_jnp_sort_bit_for_bit(dtype) -> None:
     assert np.isnan(got[:, -2:]).all() and not np.isnan(got[:, :-2]).any()
     np.testing.assert_array_equal(got[:, :-2], np.asarray(jnp.sort(with_nan, axis=-1),
                                                           np.float32)[:, :-2])
+
+
+def _fit_cases() -> list[tuple[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    cases = []
+    for n in (0, 1, 5, 1000, 200_000):
+        x = rng.standard_normal(n).astype(np.float32)
+        zeros = x.copy()
+        zeros[::7] = 0
+        cases += [("normal", x), ("zeros", zeros), ("positive", np.abs(x) + 1e-3),
+                  ("square", np.square(x))]
+        if n > 3:
+            for name, index, value in (("nan", 2, np.nan), ("negative zero", 1, -0.0),
+                                       ("subnormal", 3, 1e-40), ("inf", 0, np.inf)):
+                special = np.abs(x)
+                special[index] = value
+                cases.append((name, special))
+    return cases
+
+
+@pytest.mark.parametrize("domain", ["linear", "log"])
+def test_fit_sample_with_plain_extremes_is_the_masked_fit_bit_for_bit(domain) -> None:
+    """``everywhere_usable`` lets ``fit_sample`` take plain reductions for the extremes; the
+    fitted values and their count are the masked reductions' own, bit for bit, whether every
+    element is usable or not (zeros, -0.0, NaN, inf, subnormals, empty leaves)."""
+    taken = set()
+    for name, x in _fit_cases():
+        xj = jnp.asarray(x)
+        t, usable = cluster.coded_domain(xj, domain)
+        every = cluster.everywhere_usable(xj, domain)
+        taken.add(bool(every))
+        masked = jax.jit(lambda t, u: cluster.fit_sample(t, u, 512))(t, usable)
+        plain = jax.jit(lambda t, u, e: cluster.fit_sample(t, u, 512, e))(t, usable, every)
+        for a, b in zip(masked, plain, strict=True):
+            assert np.atleast_1d(np.asarray(a)).tobytes() == np.atleast_1d(
+                np.asarray(b)).tobytes(), (domain, name, x.size)
+        if x.size and domain == "linear" and name in ("zeros", "negative zero"):
+            assert not bool(every)
+    assert taken == {True, False}  # both branches were exercised

@@ -114,19 +114,40 @@ def coded_domain(x: jax.Array, domain: str) -> tuple[jax.Array, jax.Array]:
     return t, usable
 
 
-def fit_sample(t: jax.Array, usable: jax.Array, sample: int) -> tuple[jax.Array, jax.Array]:
+def everywhere_usable(x: jax.Array, domain: str) -> jax.Array:
+    """Whether every element of ``x`` is usable in ``domain`` (:func:`coded_domain`), as one
+    float reduction: ``min(|x|) > 0`` (linear) or ``min(x) > 0`` (log); NaN gives False.
+
+    XLA:CPU vectorizes a plain float minimum (2.5 ms for 22 M float32 elements on the 2-core
+    benchmark machine) but not one over a masked operand (``min(where(x != 0, x, inf))``: 33
+    ms), nor a reduction of comparisons (``any(x != 0)``: 7.5 ms)."""
+    low = jnp.min(jnp.abs(x) if domain == "linear" else x, initial=0.0 if x.size == 0 else None)
+    return low > 0
+
+
+def fit_sample(t: jax.Array, usable: jax.Array, sample: int,
+               all_usable: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """``(values, n_valid)``: what the centroids are fitted to, unsorted: the strided sample
     of ``t`` plus the leaf's extremes (global reductions, so the tails are seen), ``+inf``
-    where not usable; and how many of them are usable."""
+    where not usable; and how many of them are usable.
+
+    ``all_usable`` (:func:`everywhere_usable`, when given) selects plain reductions of ``t``
+    for the extremes where every element is usable: the same values, without the masked
+    reductions XLA:CPU runs as scalar loops (82 -> 8 ms for a 22 M-element leaf)."""
     big = jnp.asarray(jnp.inf, t.dtype)
-    s_t = jnp.concatenate([
-        strided_sample(t, sample),
-        jnp.stack([
-            jnp.min(jnp.where(usable, t, big), initial=big),
-            jnp.max(jnp.where(usable, t, -big), initial=-big),
-        ]),
-    ])
-    s_ok = jnp.concatenate([strided_sample(usable, sample), jnp.any(usable)[None].repeat(2)])
+
+    def masked() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return (jnp.min(jnp.where(usable, t, big), initial=big),
+                jnp.max(jnp.where(usable, t, -big), initial=-big), jnp.any(usable))
+
+    def plain() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return (jnp.min(t, initial=big), jnp.max(t, initial=-big),
+                jnp.asarray(t.size > 0))
+
+    low, high, some = masked() if all_usable is None else jax.lax.cond(
+        all_usable, plain, masked)
+    s_t = jnp.concatenate([strided_sample(t, sample), jnp.stack([low, high])])
+    s_ok = jnp.concatenate([strided_sample(usable, sample), some[None].repeat(2)])
     return jnp.where(s_ok, s_t, big), jnp.sum(s_ok.astype(jnp.int32))
 
 
@@ -156,10 +177,11 @@ def centroids_of_sorted(xs: jax.Array, n_valid: jax.Array, k: int, iters: int) -
 
 
 def fit_centroids(
-    t: jax.Array, usable: jax.Array, k: int, iters: int, sample: int
+    t: jax.Array, usable: jax.Array, k: int, iters: int, sample: int,
+    all_usable: jax.Array | None = None,
 ) -> jax.Array:
     """Sorted ``k`` centroids of the usable ``t``: Lloyd on the strided sample + extremes."""
-    values, n_valid = fit_sample(t, usable, sample)
+    values, n_valid = fit_sample(t, usable, sample, all_usable)
     return centroids_of_sorted(ascending(values), n_valid, k, iters)
 
 
@@ -176,7 +198,8 @@ def fit_codebook(
     ``x`` is the coded quantity in the work dtype (value or delta); see docs/codecs.md.
     """
     t, usable = coded_domain(x, domain)
-    centroids = fit_centroids(t, usable, 2**bits - 1, iters, sample)
+    centroids = fit_centroids(t, usable, 2**bits - 1, iters, sample,
+                              everywhere_usable(x, domain))
     return symbols_of(t, usable, centroids), codebook_values(centroids, domain, dtype, x.dtype)
 
 

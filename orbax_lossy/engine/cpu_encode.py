@@ -658,7 +658,7 @@ def _cluster_sample(value: jax.Array, reference: jax.Array, *, sample: int,
     sort, ``cluster.fit_sample``): it reads the leaf for its extremes and a strided sample."""
     x = value - reference if delta else value
     t, usable = cluster.coded_domain(x, "linear")
-    return cluster.fit_sample(t, usable, sample)
+    return cluster.fit_sample(t, usable, sample, cluster.everywhere_usable(x, "linear"))
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "iters"))
