@@ -253,7 +253,8 @@ def test_fit_sample_with_plain_extremes_is_the_masked_fit_bit_for_bit(domain) ->
         t, usable = cluster.coded_domain(xj, domain)
         every = cluster.everywhere_usable(xj, domain)
         taken.add(bool(every))
-        masked = jax.jit(lambda t, u: cluster.fit_sample(t, u, 512))(t, usable)
+        masked = jax.jit(lambda t, u: cluster.fit_sample(t, u, 512, jnp.asarray(False)))(
+            t, usable)
         plain = jax.jit(lambda t, u, e: cluster.fit_sample(t, u, 512, e))(t, usable, every)
         for a, b in zip(masked, plain, strict=True):
             assert np.atleast_1d(np.asarray(a)).tobytes() == np.atleast_1d(
