@@ -209,12 +209,12 @@ def test_a_failed_link_cancels_the_window_decoding_ahead(chain, tmp_path, monkey
     ran: list[int] = []
     real = reading.decode_piece
 
-    def decode(reader, p, codec, field, dtype, where):
+    def decode(reader, p, codec, field, dtype, where, data=None):
         step = int(re.search(r"\(step (\d+)\)", where).group(1))
         if step >= 4:  # the window after the damaged one waits until the restore has failed
             gate.wait(30)
             ran.append(step)
-        return real(reader, p, codec, field, dtype, where)
+        return real(reader, p, codec, field, dtype, where, data)
 
     monkeypatch.setattr(reading, "decode_piece", decode)
     threads = 2

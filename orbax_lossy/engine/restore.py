@@ -555,6 +555,19 @@ def compile_ahead(item_dir: os.PathLike | str) -> None:
                 speculative=True)
 
 
+def _started_reads(links: list[_Link], window: range, k: int) -> list[reading.FieldRead]:
+    """The piece decodes :func:`_start_leaf` submitted for device leaf ``k`` in ``window``."""
+    out = []
+    for n in window:
+        if links[n].active[k]:
+            leaf = links[n].entries[k]
+            for name in leaf.codec.field_dtypes(leaf.dtype):
+                read = links[n].started.get((k, name))
+                if read is not None:
+                    out.append(read)
+    return out
+
+
 def _decode_windows(links: list[_Link], windows: list[range], chosen: list[LeafEntry],
                     targets: list[Any], values: list[Any], threads: int) -> None:
     """Read and decode the links window by window, and in a window leaf by leaf, into
@@ -591,6 +604,7 @@ def _decode_windows(links: list[_Link], windows: list[range], chosen: list[LeafE
             _read_host_leaves(links[n], values)
         while j < len(jobs) and jobs[j][0] == number:
             k = jobs[j][1]
+            reading.decode_together(_started_reads(links, window, k))
             stored = [_read_leaf(links[n], k, targets[k], threads) for n in window
                       if links[n].active[k]]
             _decode_leaf(stored, chosen[k], targets[k], values, k)

@@ -539,6 +539,50 @@ def _decode_zrun(buf: np.ndarray, pos: int, n: int, alphabet: int) -> np.ndarray
     return out
 
 
+def decode_symbols_many(
+    streams: list[bytes], counts: list[int], alphabets: list[int],
+    outputs: list[np.ndarray | None],
+) -> list[np.ndarray | None]:
+    """Decode many small streams in one kernel call: entry ``i`` is exactly
+    ``decode_symbols(streams[i], counts[i], alphabets[i])``, written into ``outputs[i]``
+    where that is a C-contiguous uint8 array of ``counts[i]`` elements (and the stream's
+    padding fits it), or ``None`` where this call did not decode it: another mode, several
+    blocks, or a stream that would not decode. The caller then decodes that one with
+    :func:`decode_symbols`, which also reports what is wrong with it.
+
+    For the one-block TUPLE streams of small pieces (a restore of many leaves decodes
+    thousands): their headers and tables are read in the kernel, not in Python, and four
+    streams decode together, one lane each (``_kernels.tuple_decode_streams``).
+    """
+    count = len(streams)
+    results: list[np.ndarray | None] = [None] * count
+    if not count or not _LITTLE_ENDIAN:
+        return results
+    data = np.frombuffer(b"".join(streams), np.uint8)
+    ends = np.cumsum(np.fromiter(map(len, streams), np.int64, count))
+    starts = ends - np.fromiter(map(len, streams), np.int64, count)
+    arrays = []
+    addresses = np.empty(count, np.int64)
+    capacities = np.empty(count, np.int64)
+    for i, (n, out) in enumerate(zip(counts, outputs, strict=True)):
+        if (out is None or out.dtype != np.uint8 or out.size != n
+                or not out.flags.c_contiguous):
+            out = aligned_empty(n + 16)  # room for a last tuple's padding (k <= 12)
+        arrays.append(out)
+        addresses[i] = out.__array_interface__["data"][0]
+        capacities[i] = out.size
+    status = np.empty(count, np.int64)
+    decoded = K.tuple_decode_streams(data, starts, ends, np.asarray(counts, np.int64),
+                                     np.asarray(alphabets, np.int64), addresses, capacities,
+                                     status)
+    if decoded < 0:
+        raise AssertionError("tuple_decode_streams lost its tables")
+    for i in np.flatnonzero(status == K.STATUS_OK).tolist():
+        out = arrays[i]
+        results[i] = out if out.size == counts[i] else out[: counts[i]]
+    return results
+
+
 def decode_symbols(data: bytes | memoryview, n: int, alphabet: int = 256) -> np.ndarray:
     """Decode a stream of :func:`encode_symbols` into a uint8 array of length ``n``.
 
