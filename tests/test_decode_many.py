@@ -1,5 +1,5 @@
 """Many small symbol streams decoded in one kernel call (``stream.decode_symbols_many``,
-``_kernels.tuple_decode_streams``), as a restore of many small leaves decodes a leaf's
+``_kernels.decode_streams``), as a restore of many small leaves decodes a leaf's
 links: the same arrays as ``decode_symbols`` one by one, never a stream that
 ``decode_symbols`` rejects, and the restore's values bit for bit."""
 
@@ -45,11 +45,12 @@ def _tuple_length(data: bytes) -> int:
 
 
 def test_small_streams_decode_as_one_by_one() -> None:
-    """Every one-block TUPLE stream decodes (into new arrays, or in place into outputs of
-    its length) to exactly its symbols, except into an output too short for its last
-    tuple's padding; other modes are left to ``decode_symbols``."""
+    """Every one-block TUPLE and ZRUN stream decodes (into new arrays, or in place into
+    outputs of its length) to exactly its symbols, except a TUPLE stream into an output too
+    short for its last tuple's padding; RAW and CONST streams are left to
+    ``decode_symbols``."""
     rng = np.random.default_rng(0)
-    taken = 0
+    taken = zrun = 0
     for trial in range(60):
         syms = [_symbols(rng) for _ in range(int(rng.integers(1, 12)))]
         data = [stream.encode_symbols(s) for s in syms]
@@ -58,50 +59,56 @@ def test_small_streams_decode_as_one_by_one() -> None:
         got = stream.decode_symbols_many(data, [s.size for s in syms], [256] * len(syms),
                                          outputs)
         for s, d, out, g in zip(syms, data, outputs, got, strict=True):
-            if d[0] != stream.MODE_TUPLE:
+            if d[0] not in (stream.MODE_TUPLE, stream.MODE_ZRUN):
                 assert g is None
                 continue
             if g is None:
-                assert out is not None and s.size % _tuple_length(d), "declined a stream"
+                assert d[0] == stream.MODE_TUPLE and out is not None, "declined a stream"
+                assert s.size % _tuple_length(d), "declined a stream"
                 continue
             taken += 1
+            zrun += d[0] == stream.MODE_ZRUN
             np.testing.assert_array_equal(g, s)
             if out is not None:
                 assert g.ctypes.data == out.ctypes.data  # decoded in place
-    assert taken > 150
+    assert taken > 150 and zrun > 10
 
 
 def test_declined_streams_are_the_ones_it_cannot_take() -> None:
-    """Several blocks, another mode, an output too small for the last tuple's padding, a
-    symbol above the alphabet: declined (``None``), and the output is never written
-    beyond its end."""
+    """Several blocks (TUPLE or ZRUN), the CONST mode, an output too small for the last
+    tuple's padding, a symbol above the alphabet: declined (``None``), and the output is
+    never written beyond its end; a one-block ZRUN stream decodes."""
     rng = np.random.default_rng(1)
     many_blocks = rng.choice(3, 3 * stream.BLOCK_SYMBOLS, p=[0.6, 0.3, 0.1]).astype(np.uint8)
+    many_runs = np.where(rng.random(3 * stream.BLOCK_SYMBOLS) < 0.98, 0, 1).astype(np.uint8)
     constant = np.full(100, 7, np.uint8)
     runs = np.where(rng.random(5000) < 0.98, 0, 1).astype(np.uint8)
     odd = rng.choice(3, 241, p=[0.7, 0.2, 0.1]).astype(np.uint8)  # k > 1 pads 241 symbols
     high = rng.choice([3, 9], 500).astype(np.uint8)
-    cases = [many_blocks, constant, runs, odd, high]
+    cases = [many_blocks, many_runs, constant, runs, odd, high]
     data = [stream.encode_symbols(s) for s in cases]
-    assert data[0][0] == stream.MODE_TUPLE and data[1][0] == stream.MODE_CONST
-    assert data[2][0] == stream.MODE_ZRUN
+    modes = [stream.MODE_TUPLE, stream.MODE_ZRUN, stream.MODE_CONST, stream.MODE_ZRUN]
+    assert [d[0] for d in data[:4]] == modes
     fenced = [np.full(s.size + 64, 0xAB, np.uint8) for s in cases]
     outputs = [f[32:32 + s.size] for f, s in zip(fenced, cases, strict=True)]
-    got = stream.decode_symbols_many(data, [s.size for s in cases], [256, 256, 256, 256, 8],
-                                     outputs)
+    got = stream.decode_symbols_many(data, [s.size for s in cases],
+                                     [256, 256, 256, 256, 256, 8], outputs)
     assert got[:3] == [None, None, None]
-    assert got[4] is None  # symbol 9 >= alphabet 8
-    if got[3] is not None:  # (k = 1 was chosen for it: no padding)
-        np.testing.assert_array_equal(got[3], odd)
+    assert got[3] is not None and got[3].ctypes.data == outputs[3].ctypes.data
+    np.testing.assert_array_equal(got[3], runs)
+    assert got[5] is None  # symbol 9 >= alphabet 8
+    if got[4] is not None:  # (k = 1 was chosen for it: no padding)
+        np.testing.assert_array_equal(got[4], odd)
     for f, s in zip(fenced, cases, strict=True):
         assert (f[:32] == 0xAB).all() and (f[32 + s.size:] == 0xAB).all()
-    for d, s in zip(data[:4], cases[:4], strict=True):  # decode_symbols takes them all
+    for d, s in zip(data[:5], cases[:5], strict=True):  # decode_symbols takes them all
         np.testing.assert_array_equal(stream.decode_symbols(d, s.size), s)
 
 
 def test_damaged_streams_are_declined_or_decode_as_one_by_one() -> None:
-    """Bit flips and truncations: a stream is declined, or decodes to exactly what
-    ``decode_symbols`` gives for it; never to anything ``decode_symbols`` rejects."""
+    """Bit flips, truncations and alphabets the symbols exceed: a stream is declined, or
+    decodes to exactly what ``decode_symbols`` gives for it; never to anything
+    ``decode_symbols`` rejects."""
     rng = np.random.default_rng(2)
     accepted = declined = 0
     for _ in range(300):
@@ -114,9 +121,11 @@ def test_damaged_streams_are_declined_or_decode_as_one_by_one() -> None:
             if rng.random() < 0.2:
                 del d[int(rng.integers(2, len(d))):]
             data.append(bytes(d))
-        got = stream.decode_symbols_many(data, [s.size for s in syms], [256] * 6, [None] * 6)
-        for d, s, g in zip(data, syms, got, strict=True):
-            want = _one(d, s.size)
+        # an alphabet of the largest symbol itself, sometimes: that stream must fail
+        alphabets = [int(s.max()) + int(rng.integers(0, 3)) for s in syms]
+        got = stream.decode_symbols_many(data, [s.size for s in syms], alphabets, [None] * 6)
+        for d, s, a, g in zip(data, syms, alphabets, got, strict=True):
+            want = _one(d, s.size, a)
             if g is None:
                 declined += 1
                 continue

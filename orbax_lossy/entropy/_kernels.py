@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, njit, types
 from numba.extending import intrinsic
 from numba.typed import List
 
@@ -465,14 +465,10 @@ def byte_table(lut: np.ndarray, lut_bits: int | np.integer, expand: np.ndarray, 
 
 
 @njit(nogil=True, cache=True)
-def tuple_tables(lens: np.ndarray, used: np.ndarray, k: int, window_bits: int):
-    """Everything ``tuple_decode_bytes`` needs from a TUPLE stream's header, in one call:
-    ``(lut, lut_bits, expand, info, obytes)``; ``lut, lut_bits`` equal
-    ``huffman.decode_table(lens)`` (``lens`` as read by ``huffman.deserialize_lengths``,
-    so in range and not over-subscribed), ``expand`` the output bytes of each super-symbol
-    and ``info, obytes`` the ``byte_table``."""
+def decode_lut(lens: np.ndarray):
+    """``(lut, lut_bits)`` equal to ``huffman.decode_table(lens)`` for lengths as read by
+    ``huffman.deserialize_lengths`` (so in range and not over-subscribed)."""
     alpha = lens.size
-    m = used.size
     bits = 0  # Python ints here and below: numba types them int64, numpy's stubs accept them
     for s in range(alpha):
         bits = max(bits, int(lens[s]))
@@ -496,6 +492,18 @@ def tuple_tables(lens: np.ndarray, used: np.ndarray, k: int, window_bits: int):
             q = nxt[ln]
             lut[q : q + (1 << (bits - ln))] = e
             nxt[ln] = q + (1 << (bits - ln))
+    return lut, bits
+
+
+@njit(nogil=True, cache=True)
+def tuple_tables(lens: np.ndarray, used: np.ndarray, k: int, window_bits: int):
+    """Everything ``tuple_decode_bytes`` needs from a TUPLE stream's header, in one call:
+    ``(lut, lut_bits, expand, info, obytes)``; ``lut, lut_bits`` equal
+    ``huffman.decode_table(lens)`` (:func:`decode_lut`), ``expand`` the output bytes of each
+    super-symbol and ``info, obytes`` the ``byte_table``."""
+    alpha = lens.size
+    m = used.size
+    lut, bits = decode_lut(lens)
     expand = np.empty((alpha, k), np.uint8)
     digits = np.zeros(k, np.int64)  # of s, base m, counted up (no divisions)
     for s in range(alpha):
@@ -819,10 +827,11 @@ def tuple_decode_bytes(
 # ----------------------------------------------------------- many small streams at once
 # A restore of many small leaves decodes thousands of one-block TUPLE streams (46 k symbols
 # each for a 360-leaf 64 MB state); one at a time, each is a single dependency chain plus
-# its header's Python. ``tuple_decode_streams`` reads the headers, builds the tables and
-# decodes the streams four at a time, one lane each, in one call.
+# its header's Python. ``decode_streams`` reads the headers, builds the tables and decodes
+# the TUPLE streams four at a time, one lane each, and the ZRUN streams one by one, in one
+# call.
 
-#: ``tuple_decode_streams`` status of a stream it does not decode (another mode, several
+#: ``decode_streams`` status of a stream it does not decode (another mode, several
 #: blocks, a header or code it does not accept, too small an output): the caller decodes
 #: that stream on its own (``stream.decode_symbols``), which reports what is wrong with it
 STATUS_DECLINED = 100
@@ -843,6 +852,64 @@ def _uvarint_at(data, pos, end):
                 return -1, pos
             return value, pos + i + 1
     return -1, pos
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _kraft_ok(lens):
+    """Whether lengths as ``huffman.deserialize_lengths`` accepts them are not
+    over-subscribed (``huffman.MAX_CODE_LEN`` = 15)."""
+    kraft = kraft_total(lens, 15)
+    return 0 <= kraft <= (1 << 15)
+
+
+@intrinsic
+def _u8_pointer(typingctx, address):
+    """The integer ``address`` as a ``uint8*`` (for ``numba.carray``; the caller keeps the
+    memory alive)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+
+    return types.CPointer(types.uint8)(address), codegen
+
+
+@njit(nogil=True, cache=True)
+def _zrun_stream(data, start, end, n, alphabet, out_address, capacity):
+    """Decode the one-block ZRUN stream ``data[start:end]`` of ``n`` symbols below
+    ``alphabet`` into ``capacity`` bytes at ``out_address``, as ``stream._decode_zrun``
+    does; ``STATUS_OK``, else ``STATUS_DECLINED`` where ``decode_symbols`` would raise or
+    take another path."""
+    if n <= 0 or n > capacity or n > (1 << 16) or end - start < 3:  # MAX_BLOCK_UNITS
+        return STATUS_DECLINED
+    stored, pos = _uvarint_at(data, start + 1, end)
+    if stored != n or pos >= end:
+        return STATUS_DECLINED
+    zsym = int(data[pos])
+    head = data[:end]
+    rlens = np.zeros(RUN_ALPHABET, np.uint8)
+    pos = deserialize_lengths(head, pos + 1, RUN_ALPHABET, rlens)
+    if pos < 0 or not _kraft_ok(rlens):
+        return STATUS_DECLINED
+    llens = np.zeros(256, np.uint8)
+    pos = deserialize_lengths(head, pos, 256, llens)
+    if pos < 0 or not _kraft_ok(llens) or llens[zsym] != 0:
+        return STATUS_DECLINED
+    top = zsym
+    for s in range(256):
+        if llens[s] != 0:
+            top = max(top, s)
+    if top >= alphabet or pos >= end or data[pos] != 0:  # one block: a block size of 0
+        return STATUS_DECLINED
+    rlut, rbits = decode_lut(rlens)
+    llut, lbits = decode_lut(llens)
+    window = max(8, min(ZRUN_TABLE_BITS, _bit_length(n) - 6))  # stream._window_bits
+    info, obytes = zrun_byte_table(rlut, rbits, llut, lbits, zsym, window)
+    offsets = np.empty(2, np.int64)
+    offsets[0], offsets[1] = pos + 1, end
+    out = carray(_u8_pointer(out_address), n)
+    status = zrun_decode_bytes(data, zsym, offsets, rlut, rbits, RUN_BASE, RUN_EXTRA, llut,
+                               lbits, info, obytes, window, n, n, out, 0, 1)
+    return STATUS_OK if status == STATUS_OK else STATUS_DECLINED
 
 
 @njit(nogil=True, cache=True)
@@ -897,8 +964,7 @@ def _tuple_header(data, start, end, n, alphabet):
     pos = deserialize_lengths(data[:end], pos, alpha, lens)
     if pos < 0:
         return False, none, 0, lens0, 0
-    kraft = kraft_total(lens, 15)  # huffman.MAX_CODE_LEN
-    if kraft < 0 or kraft > (1 << 15):
+    if not _kraft_ok(lens):
         return False, none, 0, lens0, 0
     units = (n + k - 1) // k
     # one block: a block size of 0, then the block to the end of the stream
@@ -925,7 +991,7 @@ def _decode_codes_at(data, pos, end, buf, nbits, lut, shift, expand, out, o, cou
 @njit(nogil=True, cache=True)
 def _stream_lanes4(data, t0, t1, t2, t3, e0, e1, e2, e3, st, bufs):
     """:func:`_tuple_lanes4` over four streams, each with its own tables ``t<i>`` and its
-    block's end ``e<i>`` (for :func:`tuple_decode_streams`). Kept apart from it: the
+    block's end ``e<i>`` (for :func:`decode_streams`). Kept apart from it: the
     single-stream decoder given the same tables four times measured 9-12% slower on
     multi-block streams (more registers live per round)."""
     p0, n0, o0, f0 = st[0, 0], st[0, 1], st[0, 2], st[0, 3]
@@ -986,13 +1052,14 @@ def _stream_lanes2(data, t0, t1, e0, e1, st, bufs):
 
 
 @njit(nogil=True, cache=True)
-def tuple_decode_streams(data, starts, ends, counts, alphabets, outs, capacities, status):
-    """Decode the one-block TUPLE streams ``data[starts[i]:ends[i]]`` of ``counts[i]``
-    symbols below ``alphabets[i]`` into the arrays at addresses ``outs[i]`` (of
-    ``capacities[i]`` bytes; the caller keeps them alive), four streams at a time, one lane
-    each. ``status[i]``: ``STATUS_OK`` where stream ``i`` decoded to exactly what
-    ``stream.decode_symbols`` gives, else ``STATUS_DECLINED`` (the output may be partly
-    written). Returns the number of streams it decoded (-1: a bug)."""
+def decode_streams(data, starts, ends, counts, alphabets, outs, capacities, status):
+    """Decode the one-block TUPLE and ZRUN streams ``data[starts[i]:ends[i]]`` of
+    ``counts[i]`` symbols below ``alphabets[i]`` into the arrays at addresses ``outs[i]``
+    (of ``capacities[i]`` bytes; the caller keeps them alive): TUPLE streams four at a
+    time, one lane each, ZRUN streams one by one. ``status[i]``: ``STATUS_OK`` where
+    stream ``i`` decoded to exactly what ``stream.decode_symbols`` gives, else
+    ``STATUS_DECLINED`` (the output may be partly written). Returns the number of TUPLE
+    streams it decoded in lanes (-1: a bug)."""
     count = starts.size
     luts = List()
     rows = List()
@@ -1005,6 +1072,10 @@ def tuple_decode_streams(data, starts, ends, counts, alphabets, outs, capacities
     nvalid = 0
     for i in range(count):
         status[i] = STATUS_DECLINED
+        if ends[i] > starts[i] and data[starts[i]] == 3:  # MODE_ZRUN: decoded here, alone
+            status[i] = _zrun_stream(data, starts[i], ends[i], counts[i], alphabets[i],
+                                     outs[i], capacities[i])
+            continue
         ok, used, k, lens, first = _tuple_header(data, starts[i], ends[i], counts[i],
                                                  alphabets[i])
         units = (counts[i] + k - 1) // k if ok else 0

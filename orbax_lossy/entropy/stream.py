@@ -550,9 +550,9 @@ def decode_symbols_many(
     blocks, or a stream that would not decode. The caller then decodes that one with
     :func:`decode_symbols`, which also reports what is wrong with it.
 
-    For the one-block TUPLE streams of small pieces (a restore of many leaves decodes
-    thousands): their headers and tables are read in the kernel, not in Python, and four
-    streams decode together, one lane each (``_kernels.tuple_decode_streams``).
+    For the one-block TUPLE and ZRUN streams of small pieces (a restore of many leaves
+    decodes thousands): their headers and tables are read in the kernel, not in Python,
+    and TUPLE streams decode four together, one lane each (``_kernels.decode_streams``).
     """
     count = len(streams)
     results: list[np.ndarray | None] = [None] * count
@@ -572,11 +572,10 @@ def decode_symbols_many(
         addresses[i] = out.__array_interface__["data"][0]
         capacities[i] = out.size
     status = np.empty(count, np.int64)
-    decoded = K.tuple_decode_streams(data, starts, ends, np.asarray(counts, np.int64),
-                                     np.asarray(alphabets, np.int64), addresses, capacities,
-                                     status)
+    decoded = K.decode_streams(data, starts, ends, np.asarray(counts, np.int64),
+                               np.asarray(alphabets, np.int64), addresses, capacities, status)
     if decoded < 0:
-        raise AssertionError("tuple_decode_streams lost its tables")
+        raise AssertionError("decode_streams lost its tables")
     for i in np.flatnonzero(status == K.STATUS_OK).tolist():
         out = arrays[i]
         results[i] = out if out.size == counts[i] else out[: counts[i]]
