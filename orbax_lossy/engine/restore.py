@@ -588,6 +588,12 @@ def _decode_windows(links: list[_Link], windows: list[range], chosen: list[LeafE
                 if links[n].active[k]:
                     _start_leaf(links[n], k, targets[k], threads, buffers.lender(j))
 
+    def started_reads(j: int) -> list[reading.FieldRead]:
+        if j >= len(jobs):
+            return []
+        number, k = jobs[j]
+        return _started_reads(links, windows[number], k)
+
     def recycle(j: int) -> None:
         """Lend job ``j``'s arrays again once its program has run: its leaf's value now (the
         job's output, or a later window's program that took it) is the only one that can be
@@ -604,7 +610,10 @@ def _decode_windows(links: list[_Link], windows: list[range], chosen: list[LeafE
             _read_host_leaves(links[n], values)
         while j < len(jobs) and jobs[j][0] == number:
             k = jobs[j][1]
-            reading.decode_together(_started_reads(links, window, k))
+            # this leaf's small pieces and the next leaf's (started too), in one call: a
+            # window of one link (the base, or a state under FUSE_MIN_BYTES) has one or two
+            # pieces a leaf
+            reading.decode_together([*started_reads(j), *started_reads(j + 1)])
             stored = [_read_leaf(links[n], k, targets[k], threads) for n in window
                       if links[n].active[k]]
             _decode_leaf(stored, chosen[k], targets[k], values, k)
