@@ -55,7 +55,7 @@ import contextlib
 import math
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -540,8 +540,8 @@ def _decode_zrun(buf: np.ndarray, pos: int, n: int, alphabet: int) -> np.ndarray
 
 
 def decode_symbols_many(
-    streams: list[bytes], counts: list[int], alphabets: list[int],
-    outputs: list[np.ndarray | None],
+    streams: Sequence[bytes | memoryview], counts: Sequence[int], alphabets: Sequence[int],
+    outputs: Sequence[np.ndarray | None],
 ) -> list[np.ndarray | None]:
     """Decode many small streams in one kernel call: entry ``i`` is exactly
     ``decode_symbols(streams[i], counts[i], alphabets[i])``, written into ``outputs[i]``
