@@ -185,24 +185,32 @@ def test_tables_live_until_the_last_stream_is_decoded() -> None:
     assert out.stdout.split()[-2:] == ["wrong", "0"], out.stdout
 
 
+def _lc_chain(root, leaves: int, shape: tuple[int, int], steps: int,
+              seed: int) -> dict[str, np.ndarray]:
+    """A base and ``steps - 1`` LC(3) deltas of ``leaves`` small leaves under ``root``; the
+    saver's reconstruction of the newest step, by leaf name."""
+    rng = np.random.default_rng(seed)
+    state = {f"w{j}": jnp.asarray(rng.standard_normal(shape), jnp.float32)
+             for j in range(leaves)}
+    saver = ol.LossyCheckpointHandler(ol.LeafPolicy.create(defaults={"param": ol.LC(3)}),
+                                      base_interval=10)
+    mngr = ol.checkpoint_manager(root, handler=saver, max_to_keep=None)
+    for step in range(steps):
+        state = {k: v + 0.01 * jnp.asarray(rng.standard_normal(shape), jnp.float32)
+                 for k, v in state.items()}
+        mngr.save(step, args=ol.LossySave(state))
+        mngr.wait_until_finished()
+    mngr.close()
+    reference = saver.reference_for("default")
+    return {path_str(p): np.asarray(v)
+            for p, v in zip(reference.paths, reference.values, strict=True)}
+
+
 def test_a_restore_of_many_small_leaves_decodes_them_together(tmp_path, monkeypatch) -> None:
     """A chain of many small leaves (one piece per leaf and link) restores bit for bit to
     the saver's reconstruction, with the leaves' links decoded together (windows of
     several links: states of ``FUSE_MIN_BYTES`` and more)."""
-    rng = np.random.default_rng(4)
-    state = {f"w{j}": jnp.asarray(rng.standard_normal((48, 40)), jnp.float32)
-             for j in range(12)}
-    policy = ol.LeafPolicy.create(defaults={"param": ol.LC(3)})
-    saver = ol.LossyCheckpointHandler(policy, base_interval=10)
-    mngr = ol.checkpoint_manager(tmp_path, handler=saver, max_to_keep=None)
-    for step in range(5):
-        state = {k: v + 0.01 * jnp.asarray(rng.standard_normal(v.shape), jnp.float32)
-                 for k, v in state.items()}
-        mngr.save(step, args=ol.LossySave(state))
-        mngr.wait_until_finished()
-    reference = saver.reference_for("default")
-    held = {path_str(p): np.asarray(v) for p, v in zip(reference.paths, reference.values,
-                                                      strict=True)}
+    held = _lc_chain(tmp_path, leaves=12, shape=(48, 40), steps=5, seed=4)
     decoded = []
     real = reading.decode_symbols_many
 
@@ -214,7 +222,7 @@ def test_a_restore_of_many_small_leaves_decodes_them_together(tmp_path, monkeypa
     monkeypatch.setattr(restoring, "FUSE_MIN_BYTES", 0)  # windows of several links
     monkeypatch.setattr(reading, "decode_symbols_many", spy)
     restored = ol.checkpoint_manager(tmp_path, max_to_keep=None).restore(
-        4, args=ol.LossyRestore())
+        4, args=ol.LossyRestore())  # the newest of 5 steps
     for name, value in restored.items():
         np.testing.assert_array_equal(np.asarray(value).view(np.uint32),
                                       held[name].view(np.uint32))
@@ -227,19 +235,7 @@ def test_a_restore_of_many_small_leaves_decodes_them_together(tmp_path, monkeypa
 def test_pieces_it_declines_decode_the_usual_way(tmp_path, monkeypatch, threads) -> None:
     """With the kernel declining every stream, the restore reads each piece once and
     decodes it as before (the bytes it read are kept, not read again)."""
-    rng = np.random.default_rng(5)
-    state = {f"w{j}": jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
-             for j in range(6)}
-    policy = ol.LeafPolicy.create(defaults={"param": ol.LC(3)})
-    saver = ol.LossyCheckpointHandler(policy, base_interval=10)
-    mngr = ol.checkpoint_manager(tmp_path, handler=saver, max_to_keep=None)
-    for step in range(3):
-        state = {k: v * 1.01 for k, v in state.items()}
-        mngr.save(step, args=ol.LossySave(state))
-        mngr.wait_until_finished()
-    held = {path_str(p): np.asarray(v) for p, v in
-            zip(saver.reference_for("default").paths, saver.reference_for("default").values,
-                strict=True)}
+    held = _lc_chain(tmp_path, leaves=6, shape=(64, 32), steps=3, seed=5)
     monkeypatch.setattr(restoring, "FUSE_MIN_BYTES", 0)
     monkeypatch.setattr(reading, "decode_symbols_many", lambda s, *a: [None] * len(s))
     reads = []
