@@ -18,6 +18,7 @@ from orbax_lossy.engine import reading
 from orbax_lossy.engine import restore as restoring
 from orbax_lossy.entropy import stream
 from orbax_lossy.errors import LossyError
+from orbax_lossy.format import payload
 from orbax_lossy.treepaths import path_str
 
 
@@ -238,20 +239,25 @@ def test_pieces_it_declines_decode_the_usual_way(tmp_path, monkeypatch, threads)
     held = _lc_chain(tmp_path, leaves=6, shape=(64, 32), steps=3, seed=5)
     monkeypatch.setattr(restoring, "FUSE_MIN_BYTES", 0)
     monkeypatch.setattr(reading, "decode_symbols_many", lambda s, *a: [None] * len(s))
-    reads = []
-    real_read = reading.decode_piece
+    decodes, reads = [], []
+    real_decode, real_read = reading.decode_piece, payload.PayloadReader.read
 
-    def counting(reader, p, *args):
+    def decode(reader, p, *args):
         where, data = args[-2:]  # (the step directory and leaf, the bytes read ahead)
-        reads.append((where, p.file, p.offset, data is not None))
-        return real_read(reader, p, *args)
+        decodes.append((where, p.file, p.offset, data is not None))
+        return real_decode(reader, p, *args)
 
-    monkeypatch.setattr(reading, "decode_piece", counting)
+    def read(self, ref, where):
+        reads.append((where, ref.file, ref.offset))
+        return real_read(self, ref, where)
+
+    monkeypatch.setattr(reading, "decode_piece", decode)
+    monkeypatch.setattr(payload.PayloadReader, "read", read)
     handler = ol.LossyCheckpointHandler(encode_threads=threads)
     restored = ol.checkpoint_manager(tmp_path, handler=handler, max_to_keep=None).restore(
         2, args=ol.LossyRestore())
     for name, value in restored.items():
         np.testing.assert_array_equal(np.asarray(value).view(np.uint32),
                                       held[name].view(np.uint32))
-    assert len(reads) == len(set(reads))
-    assert any(pre_read for *_, pre_read in reads)  # declined pieces: bytes passed on
+    assert len(decodes) == len(set(decodes)) == len(reads) == len(set(reads))
+    assert any(pre_read for *_, pre_read in decodes)  # declined pieces: bytes passed on

@@ -341,8 +341,9 @@ class FieldRead:
         return slab if slab.flags.c_contiguous and slab.size else None
 
     def small_symbol_tasks(self) -> list[tuple[Any, list[grid.Box]]]:
-        """The pending pieces of a symbol field below :data:`POOL_MIN_ELEMENTS` (what
-        :func:`decode_together` takes)."""
+        """The pending pieces of a symbol field below :data:`POOL_MIN_ELEMENTS` that
+        :func:`decode_together` has not tried yet (those it declined keep their bytes in
+        ``_read`` and decode in :meth:`result`)."""
         codec, field, dtype = self._source[1:]
         if dtype != np.uint8 or not self._tasks:
             return []
@@ -350,7 +351,8 @@ class FieldRead:
         if spec is None or spec.coder != "symbols":
             return []
         return [task for task in self._tasks
-                if math.prod(grid.box_shape(task[0].box)) < POOL_MIN_ELEMENTS]
+                if math.prod(grid.box_shape(task[0].box)) < POOL_MIN_ELEMENTS
+                and (task[0].file, task[0].offset) not in self._read]
 
     def cancel(self) -> None:
         """Drop the pieces that have not started decoding (a restore that failed elsewhere)."""
