@@ -667,64 +667,16 @@ def _tuple_lanes4(data, offsets, tables, st, bufs, b):
     dependency chains in flight (two measured 10-19% slower per thread). States are
     ``st[i] = pos, nbits, o, oend`` and ``bufs[i]``, updated in place; the rounds stop when
     a lane nears its block's end or output end, or makes no progress (a bit pattern that is
-    no code), and the caller finishes each block on its own."""
-    e0, e1, e2, e3 = offsets[b + 1], offsets[b + 2], offsets[b + 3], offsets[b + 4]
-    p0, n0, o0, f0 = st[0, 0], st[0, 1], st[0, 2], st[0, 3]
-    p1, n1, o1, f1 = st[1, 0], st[1, 1], st[1, 2], st[1, 3]
-    p2, n2, o2, f2 = st[2, 0], st[2, 1], st[2, 2], st[2, 3]
-    p3, n3, o3, f3 = st[3, 0], st[3, 1], st[3, 2], st[3, 3]
-    buf0, buf1, buf2, buf3 = bufs[0], bufs[1], bufs[2], bufs[3]
-    steps = 1  # the first refill advances up to 7 bytes: one checked round
-    while (_lane_open(e0, p0, f0, o0) and _lane_open(e1, p1, f1, o1)
-           and _lane_open(e2, p2, f2, o2) and _lane_open(e3, p3, f3, o3)):
-        r0, r1, r2, r3 = o0, o1, o2, o3
-        for _ in range(steps):
-            buf0, n0, p0 = _refill(data, buf0, n0, p0)
-            buf0, n0, o0 = _lookup(tables, buf0, n0, o0)
-            buf1, n1, p1 = _refill(data, buf1, n1, p1)
-            buf1, n1, o1 = _lookup(tables, buf1, n1, o1)
-            buf2, n2, p2 = _refill(data, buf2, n2, p2)
-            buf2, n2, o2 = _lookup(tables, buf2, n2, o2)
-            buf3, n3, p3 = _refill(data, buf3, n3, p3)
-            buf3, n3, o3 = _lookup(tables, buf3, n3, o3)
-            for _t in range(2):
-                buf0, n0, o0 = _lookup(tables, buf0, n0, o0)
-                buf1, n1, o1 = _lookup(tables, buf1, n1, o1)
-                buf2, n2, o2 = _lookup(tables, buf2, n2, o2)
-                buf3, n3, o3 = _lookup(tables, buf3, n3, o3)
-        if o0 == r0 or o1 == r1 or o2 == r2 or o3 == r3:  # a lane is stuck at no code
-            break
-        steps = min(_round_steps(e0, p0, f0, o0), _round_steps(e1, p1, f1, o1),
-                    _round_steps(e2, p2, f2, o2), _round_steps(e3, p3, f3, o3))
-    st[0, 0], st[0, 1], st[0, 2], bufs[0] = p0, n0, o0, buf0
-    st[1, 0], st[1, 1], st[1, 2], bufs[1] = p1, n1, o1, buf1
-    st[2, 0], st[2, 1], st[2, 2], bufs[2] = p2, n2, o2, buf2
-    st[3, 0], st[3, 1], st[3, 2], bufs[3] = p3, n3, o3, buf3
+    no code), and the caller finishes each block on its own. (:func:`_stream_lanes4`
+    inlined with one stream's tables for every lane: LLVM then keeps one copy of them.)"""
+    _stream_lanes4(data, tables, tables, tables, tables, offsets[b + 1], offsets[b + 2],
+                   offsets[b + 3], offsets[b + 4], st, bufs)
 
 
 @njit(nogil=True, cache=True)
 def _tuple_lanes2(data, offsets, tables, st, bufs, b):
     """:func:`_tuple_lanes4` for two blocks ``b, b+1``."""
-    e0, e1 = offsets[b + 1], offsets[b + 2]
-    p0, n0, o0, f0 = st[0, 0], st[0, 1], st[0, 2], st[0, 3]
-    p1, n1, o1, f1 = st[1, 0], st[1, 1], st[1, 2], st[1, 3]
-    buf0, buf1 = bufs[0], bufs[1]
-    steps = 1
-    while _lane_open(e0, p0, f0, o0) and _lane_open(e1, p1, f1, o1):
-        r0, r1 = o0, o1
-        for _ in range(steps):
-            buf0, n0, p0 = _refill(data, buf0, n0, p0)
-            buf0, n0, o0 = _lookup(tables, buf0, n0, o0)
-            buf1, n1, p1 = _refill(data, buf1, n1, p1)
-            buf1, n1, o1 = _lookup(tables, buf1, n1, o1)
-            for _t in range(2):
-                buf0, n0, o0 = _lookup(tables, buf0, n0, o0)
-                buf1, n1, o1 = _lookup(tables, buf1, n1, o1)
-        if o0 == r0 or o1 == r1:
-            break
-        steps = min(_round_steps(e0, p0, f0, o0), _round_steps(e1, p1, f1, o1))
-    st[0, 0], st[0, 1], st[0, 2], bufs[0] = p0, n0, o0, buf0
-    st[1, 0], st[1, 1], st[1, 2], bufs[1] = p1, n1, o1, buf1
+    _stream_lanes2(data, tables, tables, offsets[b + 1], offsets[b + 2], st, bufs)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -988,12 +940,13 @@ def _decode_codes_at(data, pos, end, buf, nbits, lut, shift, expand, out, o, cou
     return True, pos, buf, nbits, o
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, inline="always")
 def _stream_lanes4(data, t0, t1, t2, t3, e0, e1, e2, e3, st, bufs):
-    """:func:`_tuple_lanes4` over four streams, each with its own tables ``t<i>`` and its
-    block's end ``e<i>`` (for :func:`decode_streams`). Kept apart from it: the
-    single-stream decoder given the same tables four times measured 9-12% slower on
-    multi-block streams (more registers live per round)."""
+    """The lookup rounds of four blocks together, lane ``i`` reading the block that ends at
+    ``e<i>`` with the tables ``t<i>``: the blocks of one stream (:func:`_tuple_lanes4`) or
+    four streams (:func:`decode_streams`). Inlined: given one stream's tables four times as
+    a separate function, it measured 9-12% slower on multi-block streams (four copies of the
+    tables live per round)."""
     p0, n0, o0, f0 = st[0, 0], st[0, 1], st[0, 2], st[0, 3]
     p1, n1, o1, f1 = st[1, 0], st[1, 1], st[1, 2], st[1, 3]
     p2, n2, o2, f2 = st[2, 0], st[2, 1], st[2, 2], st[2, 3]
@@ -1027,7 +980,7 @@ def _stream_lanes4(data, t0, t1, t2, t3, e0, e1, e2, e3, st, bufs):
     st[3, 0], st[3, 1], st[3, 2], bufs[3] = p3, n3, o3, buf3
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, inline="always")
 def _stream_lanes2(data, t0, t1, e0, e1, st, bufs):
     """:func:`_stream_lanes4` for two streams."""
     p0, n0, o0, f0 = st[0, 0], st[0, 1], st[0, 2], st[0, 3]
