@@ -380,22 +380,23 @@ def decode_together(reads: Iterable[FieldRead]) -> None:
     pending = [(read, task) for read in reads for task in read.small_symbol_tasks()]
     if len(pending) < 2:
         return
-    streams, counts, alphabets, outputs = [], [], [], []
+    streams, boxes, alphabets, outputs = [], [], [], []
     for read, (p, regions) in pending:
         reader, codec, field, _ = read._source
+        box = tuple(map(tuple, p.box))
         streams.append(reader.read(p, read.where))
-        counts.append(math.prod(grid.box_shape(p.box)))
+        boxes.append(box)
         alphabets.append(codec.fields()[field].alphabet)
-        outputs.append(read._destination(tuple(map(tuple, p.box)), regions))
+        outputs.append(read._destination(box, regions))
+    counts = [math.prod(grid.box_shape(box)) for box in boxes]
     decoded = decode_symbols_many(streams, counts, alphabets, outputs)
-    for (read, task), data, stream, destination in zip(pending, decoded, streams, outputs,
-                                                        strict=True):
+    for (read, task), data, stream, box, destination in zip(
+            pending, decoded, streams, boxes, outputs, strict=True):
         p, regions = task
         if data is None:  # decoded (and reported) the usual way
             read._read[(p.file, p.offset)] = stream
             continue
         read._tasks.remove(task)
-        box = tuple(map(tuple, p.box))
         read._put(box, regions, destination, data.reshape(grid.box_shape(box)))
 
 

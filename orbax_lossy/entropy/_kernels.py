@@ -926,21 +926,6 @@ def _tuple_header(data, start, end, n, alphabet):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _decode_codes_at(data, pos, end, buf, nbits, lut, shift, expand, out, o, count):
-    """:func:`_decode_codes` writing to the address ``out``."""
-    k = expand.shape[1]
-    rows: int = _address(expand)
-    for _ in range(count):
-        s, ln, pos, buf, nbits = _read_code(data, pos, end, buf, nbits, lut, shift)
-        if ln == 0:
-            return False, pos, buf, nbits, o
-        for j in range(k):
-            _copy_at(out, o + j, rows, s * k + j, 1)
-        o += k
-    return True, pos, buf, nbits, o
-
-
-@njit(nogil=True, cache=True, inline="always")
 def _stream_lanes4(data, t0, t1, t2, t3, e0, e1, e2, e3, st, bufs):
     """The lookup rounds of four blocks together, lane ``i`` reading the block that ends at
     ``e<i>`` with the tables ``t<i>``: the blocks of one stream (:func:`_tuple_lanes4`) or
@@ -1014,12 +999,9 @@ def decode_streams(data, starts, ends, counts, alphabets, outs, capacities, stat
     ``STATUS_DECLINED`` (the output may be partly written). Returns the number of TUPLE
     streams it decoded in lanes (-1: a bug)."""
     count = starts.size
-    luts = List()
-    rows = List()
-    infos = List()
-    tabs = List()
+    kept = List()  # per decoded stream: (lut, expand, info, obytes)
     tables = np.zeros((count, 8), np.int64)  # info, obytes, lut, expand, out, k, wshift, shift
-    slot = np.zeros(count, np.int64)  # the stream's entry in the lists
+    slot = np.zeros(count, np.int64)  # the stream's entry in ``kept``
     begin = np.zeros(count, np.int64)
     valid = np.zeros(count, np.int64)
     nvalid = 0
@@ -1036,16 +1018,12 @@ def decode_streams(data, starts, ends, counts, alphabets, outs, capacities, stat
             continue
         window = max(8, min(BYTE_TABLE_BITS, _bit_length(units) - 6))  # stream._window_bits
         lut, bits, expand, info, obytes = tuple_tables(lens, used, k, window)
-        luts.append(lut)
-        rows.append(expand)
-        infos.append(info)
-        tabs.append(obytes)
-        j = len(luts) - 1
+        kept.append((lut, expand, info, obytes))
         tables[i, 0], tables[i, 1] = _address(info), _address(obytes)
         tables[i, 2], tables[i, 3] = _address(lut), _address(expand)
         tables[i, 4], tables[i, 5] = outs[i], k
         tables[i, 6], tables[i, 7] = 64 - window, 64 - bits
-        slot[i] = j
+        slot[i] = len(kept) - 1
         begin[i] = first
         valid[nvalid] = i
         nvalid += 1
@@ -1075,20 +1053,18 @@ def decode_streams(data, starts, ends, counts, alphabets, outs, capacities, stat
             end, oend = ends[i], st[a, 3]
             pos, nbits, o, buf = _finish_lookups(stream, t, end, st[a, 0], st[a, 1], st[a, 2],
                                                  oend, bufs[a])
-            j = slot[i]
-            k = tables[i, 5]
-            ok, pos, buf, nbits, o = _decode_codes_at(data, pos, end, buf, nbits, luts[j],
-                                                      t[7], rows[j], outs[i], o,
-                                                      (oend - o) // k)
+            lut, expand = kept[slot[i]][:2]
+            out = carray(_u8_pointer(outs[i]), oend)
+            ok, pos, buf, nbits, o = _decode_codes(data, pos, end, buf, nbits, lut, t[7],
+                                                   expand, out, o, (oend - o) // t[5])
             if ok and _block_status(begin[i], end, pos, nbits) == STATUS_OK:
                 status[i] = STATUS_OK
         g += lanes
     # The lanes read the tables through their addresses only. Numba frees a variable after
-    # its last use, so each list is used here, after the decoding: the tables stay alive
-    # until now (without this use, ``infos`` and ``tabs`` were freed after the first loop
-    # and a restore decoded from freed memory).
-    held = len(infos) + len(tabs) + len(luts) + len(rows)
-    return nvalid if held == 4 * nvalid else -1
+    # its last use, so ``kept`` is used here, after the decoding: the tables stay alive
+    # until now (lists of tables unused after the first loop were freed there, and a
+    # restore decoded from freed memory).
+    return nvalid if len(kept) == nvalid else -1
 
 
 @njit(nogil=True, cache=True, inline="always")
