@@ -233,3 +233,20 @@ def test_a_failed_link_cancels_the_window_decoding_ahead(chain, tmp_path, monkey
         mngr.close()
     assert queued > threads
     assert len(ran) <= threads, ran  # only pieces a worker held at the gate
+
+
+def test_copy_tree_copies_every_array_in_one_call() -> None:
+    """The restored values' copies (the next reference): equal values, dtypes and shardings in
+    memory of their own, ``None`` entries kept in place."""
+    values = [jnp.arange(12.0).reshape(3, 4), None, jnp.ones((5,), jnp.bfloat16),
+              jnp.array(7, jnp.int32), None]
+    copies = device.copy_tree(values)
+    assert [c is None for c in copies] == [v is None for v in values]
+    for v, c in zip(values, copies, strict=True):
+        if v is None:
+            continue
+        assert c.dtype == v.dtype and c.shape == v.shape and c.sharding == v.sharding
+        assert c.unsafe_buffer_pointer() != v.unsafe_buffer_pointer()
+        np.testing.assert_array_equal(np.asarray(c), np.asarray(v))
+    assert device.copy_tree([None, None]) == [None, None]
+    assert device.copy_tree([]) == []

@@ -321,17 +321,31 @@ class _Link:
     active: list[bool]
     reader: payload.PayloadReader
     started: dict[tuple[int, str], reading.FieldRead] = dataclasses.field(default_factory=dict)
+    #: per device leaf being read: (where, pieces by field, field dtypes), from
+    #: :func:`_start_leaf` to :func:`_read_leaf` (computed once: thousands of leaves and links)
+    layouts: dict[int, tuple[str, dict[str, list], dict[str, np.dtype]]] = dataclasses.field(
+        default_factory=dict)
+
+    def layout(self, k: int) -> tuple[str, dict[str, list], dict[str, np.dtype]]:
+        """Where device leaf ``k`` of this link is (for errors), its pieces by field and its
+        fields' dtypes."""
+        out = self.layouts.get(k)
+        if out is None:
+            leaf = self.entries[k]
+            out = self.layouts[k] = (_where(self.link_dir, self.manifest, leaf.name),
+                                     reading.pieces_by_field(leaf.pieces),
+                                     leaf.codec.field_dtypes(leaf.dtype))
+        return out
 
 
-def _start_leaf(link: _Link, k: int, target: Any, threads: int, take: reading.Take) -> None:
+def _start_leaf(link: _Link, k: int, sharding: jax.sharding.Sharding, threads: int,
+                take: reading.Take) -> None:
     """Submit the entropy decoding of every piece that device leaf ``k`` of the link needs
-    (its uint8 fields into arrays from ``take``), so that it runs while the leaf before it
-    is still being decoded (see :func:`_decode_windows`)."""
+    on ``sharding`` (its uint8 fields into arrays from ``take``), so that it runs while the
+    leaf before it is still being decoded (see :func:`_decode_windows`)."""
     leaf = link.entries[k]
-    lw = _where(link.link_dir, link.manifest, leaf.name)
-    sharding = reading.target_sharding(target)
-    by_field = reading.pieces_by_field(leaf.pieces)
-    for name, fdtype in leaf.codec.field_dtypes(leaf.dtype).items():
+    lw, by_field, dtypes = link.layout(k)
+    for name, fdtype in dtypes.items():
         with stored_data(lw):
             link.started[(k, name)] = reading.start_field(
                 link.reader, by_field.get(name, []), leaf.codec, name, fdtype, leaf.shape,
@@ -360,23 +374,23 @@ def _read_host_leaves(link: _Link, values: list[Any]) -> None:
                 )
 
 
-def _read_leaf(link: _Link, k: int, target: Any, threads: int) -> _LeafRead:
-    """The link's stored fields of device leaf ``k`` (their decoding started by
-    :func:`_start_leaf`), ready for its decode program."""
+def _read_leaf(link: _Link, k: int, sharding: jax.sharding.Sharding, host: bool,
+               threads: int) -> _LeafRead:
+    """The link's stored fields of device leaf ``k`` on ``sharding`` (their decoding started
+    by :func:`_start_leaf`), ready for its decode program; ``host``: fields come as their
+    host arrays where they can (:func:`transfer.passes_as_host` of ``sharding``)."""
     leaf = link.entries[k]
-    lw = _where(link.link_dir, link.manifest, leaf.name)
+    lw, by_field, dtypes = link.layout(k)
+    del link.layouts[k]  # (read once per restore)
     codec = leaf.codec
     _check_side(leaf, lw)
-    sharding = reading.target_sharding(target)
-    by_field = reading.pieces_by_field(leaf.pieces)
-    host = transfer.passes_as_host(sharding)
     with stored_data(lw):
         fields = {
             name: reading.assemble_field(
                 link.reader, by_field.get(name, []), codec, name, fdtype, leaf.shape,
                 sharding, lw, threads, link.started.pop((k, name), None), host=host,
             )
-            for name, fdtype in codec.field_dtypes(leaf.dtype).items()
+            for name, fdtype in dtypes.items()
         }
     # side arrays stay numpy: the program's call transfers them at once
     return _LeafRead(codec, fields, dict(leaf.side), lw)
@@ -458,8 +472,8 @@ def _precompile(links: Sequence[Any], windows: Sequence[range], chosen: Sequence
         precompile.submit(key, compile_program, speculative)
 
 
-def _decode_leaf(stored: list[_LeafRead], leaf: LeafEntry, target: Any, values: list[Any],
-                 k: int) -> None:
+def _decode_leaf(stored: list[_LeafRead], leaf: LeafEntry, sharding: jax.sharding.Sharding,
+                 values: list[Any], k: int) -> None:
     """Decode one device leaf through a window of consecutive links into ``values[k]``: one
     program that applies the window's links in chain order (:func:`device.decode_links`), so
     the leaf is read and written once per window, not once per link."""
@@ -474,7 +488,6 @@ def _decode_leaf(stored: list[_LeafRead], leaf: LeafEntry, target: Any, values: 
         f"{reads[0].where} (decoding it with the {len(reads) - 1} links after it)")
     codecs = tuple(r.codec for r in reads)
     sides = tuple(r.side for r in reads)
-    sharding = reading.target_sharding(target)
     raw = reads[0].fields.get("raw")
     if (_as_is(codecs, leaf, sharding, referenced) and isinstance(raw, np.ndarray)
             and raw.dtype == leaf.dtype and raw.shape == leaf.shape):
@@ -560,8 +573,9 @@ def _started_reads(links: list[_Link], window: range, k: int) -> list[reading.Fi
     out = []
     for n in window:
         if links[n].active[k]:
+            layout = links[n].layouts.get(k)
             leaf = links[n].entries[k]
-            for name in leaf.codec.field_dtypes(leaf.dtype):
+            for name in layout[2] if layout else leaf.codec.field_dtypes(leaf.dtype):
                 read = links[n].started.get((k, name))
                 if read is not None:
                     out.append(read)
@@ -578,6 +592,8 @@ def _decode_windows(links: list[_Link], windows: list[range], chosen: list[LeafE
     a window, not two windows' links of every leaf, and a window may hold more links (fewer
     passes over the state), in arrays that are warm when reused."""
     buffers = reading.HostBuffers()
+    shardings = [reading.target_sharding(t) for t in targets]
+    hosts = [transfer.passes_as_host(sharding) for sharding in shardings]
     jobs = [(number, k) for number, window in enumerate(windows) for k, leaf in enumerate(chosen)
             if leaf.storage not in HOST_STORAGES and any(links[n].active[k] for n in window)]
 
@@ -586,7 +602,7 @@ def _decode_windows(links: list[_Link], windows: list[range], chosen: list[LeafE
             number, k = jobs[j]
             for n in windows[number]:
                 if links[n].active[k]:
-                    _start_leaf(links[n], k, targets[k], threads, buffers.lender(j))
+                    _start_leaf(links[n], k, shardings[k], threads, buffers.lender(j))
 
     def started_reads(j: int) -> list[reading.FieldRead]:
         if j >= len(jobs):
@@ -614,9 +630,9 @@ def _decode_windows(links: list[_Link], windows: list[range], chosen: list[LeafE
             # window of one link (the base, or a state under FUSE_MIN_BYTES) has one or two
             # pieces a leaf
             reading.decode_together([*started_reads(j), *started_reads(j + 1)])
-            stored = [_read_leaf(links[n], k, targets[k], threads) for n in window
-                      if links[n].active[k]]
-            _decode_leaf(stored, chosen[k], targets[k], values, k)
+            stored = [_read_leaf(links[n], k, shardings[k], hosts[k], threads)
+                      for n in window if links[n].active[k]]
+            _decode_leaf(stored, chosen[k], shardings[k], values, k)
             del stored
             if j:  # (its program ran while this leaf's fields were read)
                 recycle(j - 1)

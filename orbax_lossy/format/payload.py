@@ -156,10 +156,14 @@ class PayloadReader:
         # a restore reads thousands of pieces from a few files, on many threads (os.pread
         # on a shared descriptor); closed by close() (or when the reader is collected)
         self._fds: dict[str, int] = {}
+        self._paths: dict[str, str] = {}  # file names checked, and their paths
         self._lock = threading.Lock()
         self.bytes_read = 0
 
     def _path(self, name: str, where: str) -> str:
+        path = self._paths.get(name)
+        if path is not None:  # checked before
+            return path
         if not _DATA_FILE.fullmatch(name):
             raise FormatError(f"{where}: piece file name {name!r} is not allowed")
         path = os.path.join(self._dir, name)
@@ -169,6 +173,8 @@ class PayloadReader:
                 how = "" if self._remote else " (symlink)"
                 raise FormatError(f"{where}: payload file {path} leads outside the checkpoint "
                                   f"root {self._root}{how}")
+        if self._root is None or name in self._sizes:
+            self._paths[name] = path
         return path
 
     def file_size(self, name: str, where: str) -> int:
@@ -184,6 +190,11 @@ class PayloadReader:
 
     def _open(self, name: str, where: str) -> tuple[int, int]:
         """``(fd, size)`` of a local payload file, opened once per reader."""
+        fd = self._fds.get(name)
+        if fd is not None:
+            size = self._sizes.get(name)
+            if size is not None:
+                return fd, size
         with self._lock:
             fd = self._fds.get(name)
             if fd is None:
@@ -196,6 +207,7 @@ class PayloadReader:
         with self._lock:
             fds, self._fds = self._fds, {}
             self._sizes.clear()
+            self._paths.clear()
         for fd in fds.values():
             os.close(fd)
 
