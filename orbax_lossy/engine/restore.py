@@ -399,10 +399,10 @@ def _read_leaf(link: _Link, k: int, sharding: jax.sharding.Sharding, host: bool,
 def _program_key(codecs: Sequence[Any], sides: Sequence[dict[str, Any]], leaf: LeafEntry,
                  sharding: jax.sharding.Sharding, referenced: bool) -> tuple:
     """What tells one leaf's decode program of a window from another (its compiled program
-    is the same for the same key)."""
+    is the same for the same key). Side arrays are numpy arrays (or jax.Arrays): their
+    ``shape`` is a tuple and their ``dtype`` a numpy dtype already."""
     return (tuple(codecs), leaf.dtype, leaf.shape, sharding, referenced,
-            tuple(tuple((k, tuple(v.shape), np.dtype(v.dtype)) for k, v in side.items())
-                  for side in sides))
+            tuple([tuple([(k, v.shape, v.dtype) for k, v in side.items()]) for side in sides]))
 
 
 def _from_last_whole(items: list[T], codecs: list[Any]) -> tuple[list[T], bool]:
@@ -502,9 +502,12 @@ def _decode_leaf(stored: list[_LeafRead], leaf: LeafEntry, sharding: jax.shardin
 
 #: a restore decodes a chain's links in windows of consecutive links, leaf by leaf (one
 #: program per leaf and window, :func:`_decode_leaf`; a 64 MB state's 9 LC links: 52 ms of
-#: decode programs link by link, 25 ms in one window): at most this many delta links per
-#: window ...
-MAX_WINDOW_LINKS = 9
+#: decode programs link by link, 25 ms in one window): at most this many links per window
+#: (a window that ends at the newest link; the oldest window takes the base and the rest):
+#: 10, so that the longest chain of the default ``base_interval`` (a base and 9 deltas)
+#: decodes in one window, one job per leaf (a 360-leaf 64 MB LC restore: 495 -> 450 ms
+#: against a window of the base and one of the 9 deltas) ...
+MAX_WINDOW_LINKS = 10
 #: ... whose fields of one leaf hold at most this fraction of the restored device leaves'
 #: bytes: the fields of the next two leaves decode while a leaf's program runs, so the
 #: fields of three leaves stay within the one reference copy the memory bound allows beyond
