@@ -250,3 +250,16 @@ def test_copy_tree_copies_every_array_in_one_call() -> None:
         np.testing.assert_array_equal(np.asarray(c), np.asarray(v))
     assert device.copy_tree([None, None]) == [None, None]
     assert device.copy_tree([]) == []
+
+
+def test_the_longest_default_chain_decodes_in_one_window() -> None:
+    """A base and the ``base_interval - 1`` deltas after it (the default interval's longest
+    chain) are one window when the budget allows it: one job per leaf, not a window of the
+    base and another of the deltas; longer chains keep windows that end at the newest link."""
+    import inspect
+
+    interval = inspect.signature(ol.LossyCheckpointHandler).parameters["base_interval"].default
+    assert interval <= restoring.MAX_WINDOW_LINKS
+    assert restoring._windows(interval, restoring.MAX_WINDOW_LINKS) == [range(0, interval)]
+    assert restoring._windows(12, 10) == [range(0, 2), range(2, 12)]
+    assert restoring._windows(10, 9) == [range(0, 1), range(1, 10)]
