@@ -321,8 +321,9 @@ class _Link:
     active: list[bool]
     reader: payload.PayloadReader
     started: dict[tuple[int, str], reading.FieldRead] = dataclasses.field(default_factory=dict)
-    #: per device leaf being read: (where, pieces by field, field dtypes), from
-    #: :func:`_start_leaf` to :func:`_read_leaf` (computed once: thousands of leaves and links)
+    #: per device leaf: (where, pieces by field, field dtypes), computed once for
+    #: :func:`_start_leaf`, :func:`_started_reads` and :func:`_read_leaf` (thousands of leaves
+    #: and links)
     layouts: dict[int, tuple[str, dict[str, list], dict[str, np.dtype]]] = dataclasses.field(
         default_factory=dict)
 
@@ -381,7 +382,6 @@ def _read_leaf(link: _Link, k: int, sharding: jax.sharding.Sharding, host: bool,
     host arrays where they can (:func:`transfer.passes_as_host` of ``sharding``)."""
     leaf = link.entries[k]
     lw, by_field, dtypes = link.layout(k)
-    del link.layouts[k]  # (read once per restore)
     codec = leaf.codec
     _check_side(leaf, lw)
     with stored_data(lw):
@@ -505,8 +505,8 @@ def _decode_leaf(stored: list[_LeafRead], leaf: LeafEntry, sharding: jax.shardin
 #: decode programs link by link, 25 ms in one window): at most this many links per window
 #: (a window that ends at the newest link; the oldest window takes the base and the rest):
 #: 10, so that the longest chain of the default ``base_interval`` (a base and 9 deltas)
-#: decodes in one window, one job per leaf (a 360-leaf 64 MB LC restore: 495 -> 450 ms
-#: against a window of the base and one of the 9 deltas) ...
+#: decodes in one window, one job per leaf (a 360-leaf 64 MB LC restore: medians 497-504 ->
+#: 454 ms against a window of the base and one of the 9 deltas) ...
 MAX_WINDOW_LINKS = 10
 #: ... whose fields of one leaf hold at most this fraction of the restored device leaves'
 #: bytes: the fields of the next two leaves decode while a leaf's program runs, so the
@@ -576,9 +576,7 @@ def _started_reads(links: list[_Link], window: range, k: int) -> list[reading.Fi
     out = []
     for n in window:
         if links[n].active[k]:
-            layout = links[n].layouts.get(k)
-            leaf = links[n].entries[k]
-            for name in layout[2] if layout else leaf.codec.field_dtypes(leaf.dtype):
+            for name in links[n].layout(k)[2]:
                 read = links[n].started.get((k, name))
                 if read is not None:
                     out.append(read)
