@@ -586,6 +586,9 @@ def _lc_statistics(v: np.ndarray, r: np.ndarray, kind: int, daz: bool,
               np.zeros(SLOTS, np.int64)) for _ in _ranges(v.size)]
     flags = _run(lc_statistics_kernel(kind, daz), v.size,
                  lambda part, k: (v[part], r[part], *parts[k], coded[part]))
+    if len(parts) == 1:  # a small leaf: one range, nothing to merge (Python per leaf)
+        f = flags[0]
+        return (bool(f[0]), bool(f[1]), bool(f[2]), np.float32(f[3]), *parts[0])
     top = np.max([p[0] for p in parts], axis=0)
     bottom = np.min([p[1] for p in parts], axis=0)
     count = np.sum([p[2] for p in parts], axis=0)
