@@ -25,6 +25,7 @@ from orbax_lossy.entropy.stream import (
 from orbax_lossy.errors import FormatError, InvalidArgumentError, LossyError
 from orbax_lossy.format import grid
 from orbax_lossy.format.manifest import LeafEntry
+from orbax_lossy.shardings import single_device_sharding
 
 
 def target_sharding(target: Any) -> jax.sharding.Sharding:
@@ -33,7 +34,7 @@ def target_sharding(target: Any) -> jax.sharding.Sharding:
     if isinstance(sharding, jax.sharding.Sharding):
         return sharding
     if jax.process_count() == 1:
-        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        return single_device_sharding(jax.local_devices()[0])
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 

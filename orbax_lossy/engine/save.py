@@ -87,9 +87,7 @@ def sharding_string(sharding: jax.sharding.Sharding) -> str | None:
 def next_reference(request: SaveRequest, signature: Signature, running: Dispatched,
                    on_host: bool) -> Reference:
     """The reference the next save of this item is encoded against: this reconstruction."""
-    values = reconstruction(request, running)
-    if on_host:
-        values = [np.asarray(r) if r is not None else None for r in values]
+    values = reconstruction(request, running, on_host)
     header = request.header
     return Reference(request.item_dir, header.step, header.save_id, header.chain_length,
                      tuple(request.paths), signature, values)
@@ -315,11 +313,28 @@ def _leaf_job(req: SaveRequest, i: int, codec: Codec, side: dict,
     return LeafJob(i, entry, shards)
 
 
-def reconstruction(req: SaveRequest, dispatched: Dispatched) -> list[Any]:
-    """Per leaf the next reference value (device leaves; still computing), else None."""
+def reconstruction(req: SaveRequest, dispatched: Dispatched, on_host: bool = False
+                   ) -> list[Any]:
+    """Per leaf the next reference value (device leaves; an XLA program's may still be
+    computing), else None; numpy arrays where ``on_host``.
+
+    A host kernel's reconstruction is a numpy array (``cpu_encode``): those of all leaves go
+    to their devices in one ``jax.device_put`` (zero-copy on a CPU device for the kernels'
+    aligned buffers; 360 leaves of 46 k float32 elements: 40-68 us a leaf batched against
+    71-105 us one by one), or stay on the host where ``on_host``."""
     out: list[Any] = [None] * len(req.values)
+    on_numpy: list[int] = []
     for j, i in enumerate(dispatched.device_leaves):
-        out[i] = dispatched.encoded[j]["recon"]
+        recon = out[i] = dispatched.encoded[j]["recon"]
+        if isinstance(recon, np.ndarray):
+            on_numpy.append(i)
+    if on_host:
+        return [r if r is None or isinstance(r, np.ndarray) else np.asarray(r) for r in out]
+    if on_numpy:
+        placed = jax.device_put([out[i] for i in on_numpy],
+                                [req.values[i].sharding for i in on_numpy])
+        for i, value in zip(on_numpy, placed, strict=True):
+            out[i] = value
     return out
 
 
@@ -348,6 +363,8 @@ def iter_jobs(req: SaveRequest, dispatched: Dispatched) -> Iterator[LeafJob]:
         elif codec is plan[i]:
             fields = {name: [(box, copy.result()) for box, copy in shards]
                       for name, shards in dispatched.copies[position[i]].items()}
+        elif isinstance(out["recon"], np.ndarray):  # the guard failed on a host kernel's leaf
+            fields = {"raw": [(grid.full_box(out["recon"].shape), out["recon"])]}
         else:  # the guard failed: the exact value, which no copy was started for
             fields = {"raw": [(box, np.asarray(d)) for box, d in _replica0_shards(out["recon"])]}
         shards = {name: grid.split_units(host, unit_axes) for name, host in fields.items()}

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from orbax_lossy.shardings import is_single_device, single_device_sharding
+
 #: environment variable: ``plain`` for ``copy_to_host_async`` + ``np.asarray`` everywhere
 TRANSFER_ENV = "ORBAX_LOSSY_TRANSFER"
 #: fields smaller than this are copied plainly (a dispatch costs more than it saves)
@@ -80,7 +82,7 @@ class HostCopy:
             data = _pack_words(data)
         if _pinned_memory(device):
             data = jax.device_put(
-                data, jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host"))
+                data, single_device_sharding(device, memory_kind="pinned_host"))
         else:
             data.copy_to_host_async()
         self._value = data
@@ -146,7 +148,7 @@ def passes_as_host(sharding: jax.sharding.Sharding) -> bool:
 @functools.lru_cache(maxsize=256)
 def _passes_as_host(sharding: jax.sharding.Sharding, mode: str) -> bool:
     """:func:`passes_as_host` under transfer ``mode`` (cached: asked per leaf and link)."""
-    if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    if not is_single_device(sharding):
         return False
     device: jax.Device = next(iter(sharding.device_set))
     if device.platform != "cpu" or _accelerated(device):

@@ -42,6 +42,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from orbax_lossy.shardings import is_single_device
+
 
 def _spec(sharding: NamedSharding, ndim: int) -> list:
     return list(sharding.spec) + [None] * (ndim - len(sharding.spec))
@@ -100,7 +102,7 @@ def slot_sharding(x: jax.Array, axis: int, local: bool = False):
         spec = _spec(sharding, x.ndim)
         spec[axis] = None
         return NamedSharding(sharding.mesh, P(*spec))
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    if is_single_device(sharding):
         return sharding
     return None
 
@@ -278,7 +280,7 @@ def flat_hlo(kind: str, xs: Sequence[Any], cut: FlatCut, slot: Any = None) -> st
 def _replicated_like(sharding, value):
     if isinstance(sharding, NamedSharding):
         return jax.device_put(value, NamedSharding(sharding.mesh, P()))
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    if is_single_device(sharding):
         return jax.device_put(value, sharding)
     return value
 
@@ -324,7 +326,7 @@ def _put_call(x, slot, held, axis, layer):
         fn = _local_program("put", x.sharding.mesh, x.sharding.spec, idx_spec, axis, layer)
         return fn, (x, slot, idx), {}
     sharding = getattr(x, "sharding", None)
-    if not isinstance(sharding, (NamedSharding, jax.sharding.SingleDeviceSharding)):
+    if not (isinstance(sharding, NamedSharding) or is_single_device(sharding)):
         sharding = None
     s_sh = slot_sharding(x, axis)
     if s_sh is not None:
