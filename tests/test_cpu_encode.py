@@ -8,6 +8,8 @@ the guard must decide as the XLA program's does; each codec's error bound must h
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -360,3 +362,14 @@ def test_encode_kernels_load_from_the_disk_cache_in_a_new_process(tmp_path):
     assert second.keys() == first.keys()
     for name, (hits, misses) in second.items():
         assert misses == 0 and hits > 0, (name, second)
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 16])
+def test_ranges_cover_the_leaf_one_per_core_and_split(monkeypatch, cores: int) -> None:
+    split = cpu_encode.SPLIT_ELEMENTS
+    monkeypatch.setattr(cpu_encode, "available_cores", lambda: cores)
+    for n in [0, 1, split - 1, split, 2 * split - 1, 2 * split, 2 * split + 1, 5 * split + 7]:
+        ranges = cpu_encode._ranges(n)
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+        assert len(ranges) == min(cores, max(1, n // split)), (n, cores, ranges)
