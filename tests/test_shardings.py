@@ -1,4 +1,5 @@
-"""Single-device shardings through ``orbax_lossy.shardings`` (jax 0.12 deprecates the class)."""
+"""Single-device shardings recognised through ``orbax_lossy.shardings`` (jax 0.12 deprecates
+``jax.sharding.SingleDeviceSharding``)."""
 
 from __future__ import annotations
 
@@ -10,24 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from orbax_lossy.shardings import is_single_device, single_device_sharding
+from orbax_lossy.shardings import is_single_device
 
 
-def test_single_device_sharding_holds_an_array_whole_on_its_device() -> None:
+def test_single_device_shardings_are_recognised() -> None:
     device = jax.devices()[0]
-    sharding = single_device_sharding(device)
-    assert is_single_device(sharding)
-    assert sharding.device_set == {device}
-    x = jax.device_put(np.arange(6, dtype=np.float32).reshape(2, 3), sharding)
-    assert x.sharding == sharding
-    np.testing.assert_array_equal(np.asarray(x), np.arange(6).reshape(2, 3))
-    assert is_single_device(jnp.ones(3).sharding)  # what a plain array on a device has
-
-
-def test_memory_kind_is_kept() -> None:
-    device = jax.devices()[0]
+    assert is_single_device(jax.sharding.make_single_device_sharding(device))
     kind = device.default_memory().kind
-    assert single_device_sharding(device, memory_kind=kind).memory_kind == kind
+    assert is_single_device(jax.sharding.make_single_device_sharding(device, memory_kind=kind))
+    assert is_single_device(jnp.ones(3).sharding)  # what a plain array on a device has
+    assert is_single_device(jax.device_put(np.ones(3), device).sharding)
 
 
 def test_other_shardings_and_non_shardings_are_not_single_device() -> None:

@@ -25,7 +25,6 @@ from orbax_lossy.entropy.stream import (
 from orbax_lossy.errors import FormatError, InvalidArgumentError, LossyError
 from orbax_lossy.format import grid
 from orbax_lossy.format.manifest import LeafEntry
-from orbax_lossy.shardings import single_device_sharding
 
 
 def target_sharding(target: Any) -> jax.sharding.Sharding:
@@ -34,7 +33,7 @@ def target_sharding(target: Any) -> jax.sharding.Sharding:
     if isinstance(sharding, jax.sharding.Sharding):
         return sharding
     if jax.process_count() == 1:
-        return single_device_sharding(jax.local_devices()[0])
+        return jax.sharding.make_single_device_sharding(jax.local_devices()[0])
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 

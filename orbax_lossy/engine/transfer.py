@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_lossy.shardings import is_single_device, single_device_sharding
+from orbax_lossy.shardings import is_single_device
 
 #: environment variable: ``plain`` for ``copy_to_host_async`` + ``np.asarray`` everywhere
 TRANSFER_ENV = "ORBAX_LOSSY_TRANSFER"
@@ -82,7 +82,7 @@ class HostCopy:
             data = _pack_words(data)
         if _pinned_memory(device):
             data = jax.device_put(
-                data, single_device_sharding(device, memory_kind="pinned_host"))
+                data, jax.sharding.make_single_device_sharding(device, memory_kind="pinned_host"))
         else:
             data.copy_to_host_async()
         self._value = data
